@@ -1,0 +1,3 @@
+"""steerserve: inference-time multilingual factual-recall steering for vLLM."""
+
+__version__ = "0.1.0"

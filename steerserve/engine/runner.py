@@ -1,0 +1,120 @@
+"""The runner seams: tell the steering state which request sits at which batch position, and when
+requests come and go, before every forward.
+
+* V1 model runner (CPU; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): idempotent class patches of
+  ``GPUModelRunner`` (``CPUModelRunner`` inherits them): ``_update_states`` (slot bookkeeping),
+  ``_model_forward`` (fill the per-token index; a FULL CUDA-graph replay happens inside it) and
+  ``_dummy_run`` (profile, warm-up and capture see no steering).
+* Model Runner V2 (GPU default): no patch; the model returns :func:`steering_model_state_cls`,
+  vLLM's own per-model hook that sees ``add_request``/``remove_request``/``prepare_inputs``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from steerserve.engine.spec import EXTRA_ARGS_KEY
+
+
+def check_config(vllm_config: Any) -> None:
+    """Refuse engine features whose token layout the steering index cannot follow."""
+    if vllm_config.speculative_config is not None:
+        raise ValueError("steerserve: speculative decoding is not supported with steering")
+    if getattr(vllm_config.parallel_config, "enable_dbo", False):
+        raise ValueError("steerserve: dual-batch overlap (enable_dbo) is not supported")
+    if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+        raise ValueError("steerserve: prefill context parallelism is not supported")
+
+
+def _state(runner: Any) -> Any:
+    return getattr(runner.get_model(), "steering", None)
+
+
+def _extra_args(runner: Any, req_id: str) -> dict | None:
+    sp = runner.requests[req_id].sampling_params
+    return None if sp is None else sp.extra_args
+
+
+def install_v1_seam() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as R
+
+    if getattr(R, "_steerserve_seam", False):
+        return
+    orig_update, orig_forward, orig_dummy = R._update_states, R._model_forward, R._dummy_run
+
+    @functools.wraps(orig_update)
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        out = orig_update(self, scheduler_output)  # returns a deferred-correction callable
+        st = _state(self)
+        if st is not None:
+            st.sync(self.input_batch.req_ids, functools.partial(_extra_args, self))
+        return out
+
+    @functools.wraps(orig_forward)
+    def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = _state(self)
+        if st is not None:
+            b = self.input_batch
+            n = b.num_reqs
+            st.prepare_step(
+                b.req_ids[:n],
+                self.query_start_loc.np[: n + 1],
+                b.num_computed_tokens_cpu[:n],
+                b.num_prompt_tokens[:n],
+            )
+        return orig_forward(self, *args, **kwargs)
+
+    @functools.wraps(orig_dummy)
+    def _dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = _state(self)
+        if st is not None:
+            st.reset()
+        return orig_dummy(self, *args, **kwargs)
+
+    R._update_states = _update_states
+    R._model_forward = _model_forward
+    R._dummy_run = _dummy_run
+    R._steerserve_seam = True
+
+
+@functools.cache
+def steering_model_state_cls() -> type:
+    """Model Runner V2 seam (GPU). Written from the 0.32/0.33 sources; confirmed only by
+    ``bench/gpu_check.sh`` on a GPU."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    class SteeringModelState(DefaultModelState):
+        def __init__(self, vllm_config: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(vllm_config, model, *args, **kwargs)
+            self._steer = model.steering
+
+        def add_request(self, req_index: int, new_req_data: Any) -> None:
+            super().add_request(req_index, new_req_data)
+            sp = new_req_data.sampling_params
+            extra = None if sp is None else sp.extra_args
+            self._steer.release_if_present(new_req_data.req_id)
+            if extra and extra.get(EXTRA_ARGS_KEY):
+                self._steer.admit(new_req_data.req_id, extra[EXTRA_ARGS_KEY])
+
+        def remove_request(self, req_id: str) -> None:
+            super().remove_request(req_id)
+            self._steer.release_if_present(req_id)
+
+        def prepare_inputs(self, input_batch: Any, req_states: Any) -> dict:
+            out = super().prepare_inputs(input_batch, req_states)
+            n = input_batch.num_reqs
+            idx = input_batch.idx_mapping_np[:n]
+            self._steer.prepare_step(
+                input_batch.req_ids[:n],
+                input_batch.query_start_loc_np[: n + 1],
+                req_states.num_computed_tokens_np[idx],
+                req_states.prompt_len.np[idx],
+            )
+            return out
+
+        def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict:
+            self._steer.reset()
+            return super().prepare_dummy_inputs(num_reqs, num_tokens)
+
+    return SteeringModelState

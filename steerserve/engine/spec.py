@@ -1,0 +1,191 @@
+"""A request's steering: entries, admission validation, wire encoding and cache salt.
+
+Shared by the front end (validation, encoding, salting) and the worker (decoding, row planning),
+so both sides agree on what an entry means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Key of the steering spec in ``SamplingParams.extra_args``.
+EXTRA_ARGS_KEY = "steerserve"
+
+#: Token phases: 0 = prompt token before the last, 1 = last prompt token, 2 = generated token
+#: (a token whose *input* is a generated token, i.e. position >= prompt length).
+PHASE_PROMPT, PHASE_LAST_PROMPT, PHASE_GENERATED = 0, 1, 2
+
+#: Which phases each ``positions`` value steers.
+POSITIONS: dict[str, tuple[int, ...]] = {
+    "all": (PHASE_PROMPT, PHASE_LAST_PROMPT, PHASE_GENERATED),
+    "last_prompt_and_generated": (PHASE_LAST_PROMPT, PHASE_GENERATED),
+    "generated": (PHASE_GENERATED,),
+}
+
+DEFAULT_MAX_ABS_SCALE = 64.0
+DEFAULT_MAX_ENTRIES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SteeringEntry:
+    """Add ``scale * vectors[vector]`` to the residual stream at the output of decoder block
+    ``layer`` (0-based; transformers' ``hidden_states[layer + 1]``) on the tokens ``positions``
+    selects."""
+
+    vector: str
+    layer: int
+    scale: float
+    positions: str = "all"
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """One delta row a request needs: at ``layer``, on ``phases``, the sum of ``terms``."""
+
+    layer: int
+    phases: tuple[int, ...]
+    terms: tuple[tuple[str, float], ...]
+
+
+def _fail(field: str, message: str) -> None:
+    raise ValueError(f"{field}: {message}")
+
+
+def validate(
+    raw: Iterable[Any] | None,
+    *,
+    num_layers: int,
+    vectors: Mapping[str, Any],
+    steerable_layers: Iterable[int] | None = None,
+    max_abs_scale: float = DEFAULT_MAX_ABS_SCALE,
+    max_entries: int = DEFAULT_MAX_ENTRIES,
+    rows_per_request: int | None = None,
+) -> tuple[SteeringEntry, ...]:
+    """Turn raw entries (dicts or :class:`SteeringEntry`) into validated entries.
+
+    Raises ``ValueError`` whose message starts with the offending field, e.g.
+    ``steering[1].layer: 40 is out of range 0..17``. Never drops an entry silently.
+    """
+    if raw is None:
+        return ()
+    if isinstance(raw, (str, bytes, Mapping)):
+        _fail("steering", "must be a list of entries")
+    steerable = None if steerable_layers is None else frozenset(steerable_layers)
+    out: list[SteeringEntry] = []
+    for i, item in enumerate(raw):
+        f = f"steering[{i}]"
+        if isinstance(item, SteeringEntry):
+            item = {
+                "vector": item.vector,
+                "layer": item.layer,
+                "scale": item.scale,
+                "positions": item.positions,
+            }
+        if not isinstance(item, Mapping):
+            _fail(f, "must be an object with vector, layer, scale, positions")
+        unknown = set(item) - {"vector", "layer", "scale", "positions"}
+        if unknown:
+            _fail(f"{f}.{sorted(unknown)[0]}", "unknown field")
+        vec = item.get("vector")
+        if not isinstance(vec, str) or not vec:
+            _fail(f"{f}.vector", "must be the name of a registered vector")
+        if vec not in vectors:
+            _fail(f"{f}.vector", f"unknown vector {vec!r}")
+        layer = item.get("layer")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            _fail(f"{f}.layer", f"must be an integer, got {layer!r}")
+        if not 0 <= layer < num_layers:
+            _fail(f"{f}.layer", f"{layer} is out of range 0..{num_layers - 1}")
+        if steerable is not None and layer not in steerable:
+            _fail(f"{f}.layer", f"layer {layer} is not steerable on this engine")
+        scale = item.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            _fail(f"{f}.scale", f"must be a number, got {scale!r}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            _fail(f"{f}.scale", f"must be finite, got {scale}")
+        if abs(scale) > max_abs_scale:
+            _fail(f"{f}.scale", f"{scale} is outside [-{max_abs_scale}, {max_abs_scale}]")
+        pos = item.get("positions", "all")
+        if pos not in POSITIONS:
+            _fail(f"{f}.positions", f"{pos!r} is not one of {', '.join(POSITIONS)}")
+        out.append(SteeringEntry(vec, layer, scale, pos))
+    if len(out) > max_entries:
+        _fail("steering", f"{len(out)} entries, at most {max_entries} allowed")
+    if rows_per_request is not None:
+        need = len(plan_rows(out))
+        if need > rows_per_request:
+            _fail(
+                "steering",
+                f"needs {need} distinct (layer, positions) deltas, the engine holds "
+                f"{rows_per_request} per request",
+            )
+    return tuple(out)
+
+
+def plan_rows(entries: Sequence[SteeringEntry]) -> list[RowPlan]:
+    """Group entries into the delta rows the worker materialises: per layer, the phases that see
+    the same set of entries share one row (the sum of those entries' ``scale * vector``)."""
+    by_layer: dict[int, list[SteeringEntry]] = {}
+    for e in entries:
+        by_layer.setdefault(e.layer, []).append(e)
+    rows: list[RowPlan] = []
+    for layer in sorted(by_layer):
+        groups: dict[tuple[tuple[str, float], ...], list[int]] = {}
+        for phase in (PHASE_PROMPT, PHASE_LAST_PROMPT, PHASE_GENERATED):
+            terms = tuple(
+                (e.vector, e.scale) for e in by_layer[layer] if phase in POSITIONS[e.positions]
+            )
+            if terms:
+                groups.setdefault(terms, []).append(phase)
+        rows.extend(RowPlan(layer, tuple(ph), terms) for terms, ph in groups.items())
+    return rows
+
+
+def encode(entries: Sequence[SteeringEntry]) -> str:
+    """Compact JSON for ``extra_args`` (a flat string, so it also survives ``vllm_xargs``)."""
+    return json.dumps(
+        [[e.vector, e.layer, e.scale, e.positions] for e in entries], separators=(",", ":")
+    )
+
+
+def decode(value: Any) -> tuple[SteeringEntry, ...]:
+    """Inverse of :func:`encode`; also accepts a list of entry dicts (in-process callers)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)):
+        value = json.loads(value)
+    out = []
+    for item in value:
+        if isinstance(item, Mapping):
+            out.append(
+                SteeringEntry(
+                    str(item["vector"]),
+                    int(item["layer"]),
+                    float(item.get("scale", 1.0)),
+                    str(item.get("positions", "all")),
+                )
+            )
+        else:
+            v, layer, s, p = item
+            out.append(SteeringEntry(str(v), int(layer), float(s), str(p)))
+    return tuple(out)
+
+
+def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> str:
+    """Prefix-cache salt: steered KV is never shared with unsteered requests or other configs.
+
+    ``digests`` maps vector names to a content hash, so a different vector under the same name
+    can never reuse cached KV.
+    """
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(
+            f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions};".encode()
+        )
+    return "steer-" + h.hexdigest()[:32]
