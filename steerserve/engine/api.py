@@ -39,6 +39,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = 256 << 20
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: vLLM's default (mp); "ray" multi-node
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -87,6 +89,10 @@ def engine_kwargs(cfg: EngineConfig, shape: ModelShape) -> dict[str, Any]:
     )
     if cfg.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.distributed_executor_backend is not None:
+        kw["distributed_executor_backend"] = cfg.distributed_executor_backend
+    if cfg.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if cfg.kv_cache_memory_bytes is not None:
         kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     if cfg.steering:
