@@ -1,0 +1,579 @@
+"""Steering-vector artifacts: a manifest bound to one model, verified tensors, GGUF interop.
+
+Layout: ``vectors/<model-slug>/<version>/manifest.json`` + ``vectors.safetensors``. An off-by-one
+layer or a vector from another model silently weakens steering, so loading checks everything and
+refuses with the reason (:class:`ArtifactError`) instead of serving a wrong vector.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from steerserve import __version__
+from steerserve.engine.registry import tensor_sha256
+from steerserve.engine.spec import SteeringEntry
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+LAYER_CONVENTION = "output of decoder block L (0-based) = transformers hidden_states[L+1]"
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "vectors.safetensors"
+EMBED_ROWS, EMBED_COLS = 64, 256
+FINGERPRINT_METHOD = (
+    "steerserve-fp-v1: sha256 of canonical JSON of the config's shape keys; "
+    f"sha256 of float32 embed_tokens.weight[0:{EMBED_ROWS}, 0:{EMBED_COLS}]"
+)
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+_SLUG = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}$"  # a path segment of an engine vector name
+Positions = Literal["all", "last_prompt_and_generated", "generated"]
+
+
+class ArtifactError(ValueError):
+    """An artifact that must not be used; the message names the reason."""
+
+
+class ModelMismatch(ArtifactError):
+    """A sound artifact made for another model (expected when several models share a root)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Fingerprint(_Strict):
+    config_sha256: str
+    embedding_sha256: str
+    method: str = FINGERPRINT_METHOD
+
+
+class ModelBinding(_Strict):
+    """The model an artifact was computed on; vectors are only meaningful there."""
+
+    architecture: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    fingerprint: Fingerprint
+    source: str = ""
+
+
+class Intervention(_Strict):
+    """One vector with its recommended use: add ``scale * v`` at the output of block ``layer``."""
+
+    name: str = Field(pattern=_SLUG)
+    tensor: str = Field(min_length=1)
+    layer: int = Field(ge=0)
+    scale: float
+    positions: Positions = "all"
+    sha256: str = ""
+    norm: float | None = None
+    provenance: dict[str, Any] = Field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
+
+    @field_validator("scale")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"scale must be finite, got {v}")
+        return v
+
+
+def _today() -> str:
+    return _dt.date.today().isoformat()
+
+
+class Manifest(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    name: str = Field(pattern=_SLUG)
+    version: str = Field(pattern=_SLUG)
+    created: str = Field(default_factory=_today)
+    steerserve_version: str = __version__
+    description: str = ""
+    model: ModelBinding
+    layer_convention: str = LAYER_CONVENTION
+    interventions: list[Intervention] = Field(min_length=1)
+
+    @field_validator("created")
+    @classmethod
+    def _iso(cls, v: str) -> str:
+        try:
+            _dt.datetime.fromisoformat(v)
+        except ValueError:
+            raise ValueError(f"created must be an ISO date, got {v!r}") from None
+        return v
+
+    @field_validator("layer_convention")
+    @classmethod
+    def _convention(cls, v: str) -> str:
+        if v != LAYER_CONVENTION:
+            raise ValueError(f"layer_convention must be {LAYER_CONVENTION!r}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self) -> Manifest:
+        names = [iv.name for iv in self.interventions]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate intervention names: {dup}")
+        return self
+
+    def intervention(self, name: str) -> Intervention:
+        for iv in self.interventions:
+            if iv.name == name:
+                return iv
+        raise KeyError(f"{self.name}/{self.version} has no intervention {name!r}")
+
+    def vector_name(self, intervention: Intervention | str) -> str:
+        """Engine registration name: ``<name>/<version>/<intervention>``."""
+        n = intervention if isinstance(intervention, str) else intervention.name
+        return f"{self.name}/{self.version}/{n}"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    path: Path | None = None
+
+    def vector(self, intervention: str) -> torch.Tensor:
+        return self.tensors[self.manifest.intervention(intervention).tensor]
+
+    def named_vectors(self) -> dict[str, torch.Tensor]:
+        """Engine name -> tensor, ready for ``SteerEngine.register_vector``."""
+        m = self.manifest
+        return {m.vector_name(iv): self.tensors[iv.tensor] for iv in m.interventions}
+
+    def entries(self, names: Iterable[str] | None = None) -> list[SteeringEntry]:
+        """The recommended (calibrated) steering entries for some or all interventions."""
+        m = self.manifest
+        ivs = m.interventions if names is None else [m.intervention(n) for n in names]
+        return [SteeringEntry(m.vector_name(iv), iv.layer, iv.scale, iv.positions) for iv in ivs]
+
+
+# --- model fingerprint -------------------------------------------------------------------------
+
+
+def _config_sha256(cfg: Mapping[str, Any]) -> str:
+    """Hash the keys that shape the network, normalised so config.json and a live config agree."""
+    text = cfg.get("text_config") or cfg
+    desc: dict[str, Any] = {
+        "architectures": list(cfg.get("architectures") or []),
+        "model_type": cfg.get("model_type"),
+        "text_model_type": text.get("model_type") if text is not cfg else None,
+    }
+    for k in _SHAPE_KEYS:
+        desc[k] = text.get(k)
+    if desc["num_key_value_heads"] is None:
+        desc["num_key_value_heads"] = desc["num_attention_heads"]
+    if desc["head_dim"] is None and desc["hidden_size"] and desc["num_attention_heads"]:
+        desc["head_dim"] = desc["hidden_size"] // desc["num_attention_heads"]
+    canon = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _embedding_sha256(weight_slice: torch.Tensor) -> str:
+    return tensor_sha256(weight_slice[:EMBED_ROWS, :EMBED_COLS])
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ArtifactError(f"model {str(model_dir)!r}: no config.json")
+    return json.loads(path.read_text())
+
+
+def fingerprint_model(model_dir: str | Path) -> Fingerprint:
+    """Fingerprint a local HF checkpoint, reading only a small embedding slice from disk."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = _read_config(model_dir)
+    found: list[tuple[str, Path]] = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as s:
+            found += [(k, f) for k in s.keys() if k.endswith("embed_tokens.weight")]
+    if not found:
+        raise ArtifactError(f"model {str(model_dir)!r}: no *embed_tokens.weight in *.safetensors")
+    name, f = min(found, key=lambda kf: (kf[0] != "model.embed_tokens.weight", len(kf[0]), kf[0]))
+    with safe_open(str(f), framework="pt") as s:
+        sl = s.get_slice(name)[:EMBED_ROWS, :EMBED_COLS]
+    return Fingerprint(config_sha256=_config_sha256(cfg), embedding_sha256=_embedding_sha256(sl))
+
+
+def fingerprint_hf_model(model: Any) -> Fingerprint:
+    """Same fingerprint for an in-memory transformers model (bind before saving anything)."""
+    cfg = model.config.to_dict()
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(model).__name__]
+    weight = model.get_input_embeddings().weight.detach()
+    return Fingerprint(
+        config_sha256=_config_sha256(cfg), embedding_sha256=_embedding_sha256(weight.cpu())
+    )
+
+
+def _binding(cfg: Mapping[str, Any], fp: Fingerprint, source: str) -> ModelBinding:
+    text = cfg.get("text_config") or cfg
+    archs = cfg.get("architectures") or ["?"]
+    return ModelBinding(
+        architecture=archs[0],
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        fingerprint=fp,
+        source=source,
+    )
+
+
+def binding_for_model(model_dir: str | Path) -> ModelBinding:
+    model_dir = Path(model_dir)
+    return _binding(_read_config(model_dir), fingerprint_model(model_dir), model_dir.name)
+
+
+def binding_for_hf_model(model: Any, source: str = "") -> ModelBinding:
+    cfg = model.config.to_dict()
+    cfg["architectures"] = cfg.get("architectures") or [type(model).__name__]
+    return _binding(cfg, fingerprint_hf_model(model), source)
+
+
+def check_binding(expected: ModelBinding, got: ModelBinding, what: str) -> None:
+    """Refuse ``got`` (the artifact's binding) unless it names the ``expected`` model."""
+    diffs = [
+        f"{k}: expected {getattr(expected, k)!r}, got {getattr(got, k)!r}"
+        for k in ("architecture", "num_layers", "hidden_size")
+        if getattr(expected, k) != getattr(got, k)
+    ]
+    e, g = expected.fingerprint, got.fingerprint
+    if e.method != g.method:
+        diffs.append(f"fingerprint method: expected {e.method!r}, got {g.method!r}")
+    else:
+        diffs += [
+            f"fingerprint {k}: expected {getattr(e, k)[:16]}…, got {getattr(g, k)[:16]}…"
+            for k in ("config_sha256", "embedding_sha256")
+            if getattr(e, k) != getattr(g, k)
+        ]
+    if diffs:
+        raise ModelMismatch(f"{what} was made for a different model: " + "; ".join(diffs))
+
+
+# --- verification, load, save ------------------------------------------------------------------
+
+
+def _check(manifest: Manifest, tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    m = manifest.model
+    for iv in manifest.interventions:
+        f = f"{where}: intervention {iv.name!r}"
+        if iv.tensor not in tensors:
+            raise ArtifactError(f"{f}: tensor {iv.tensor!r} missing from {TENSORS_FILE}")
+        t = tensors[iv.tensor]
+        if t.dim() != 1:
+            raise ArtifactError(f"{f}: tensor must be 1-D, got shape {tuple(t.shape)}")
+        if t.numel() != m.hidden_size:
+            raise ArtifactError(
+                f"{f}: tensor size {t.numel()} does not match hidden_size {m.hidden_size}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise ArtifactError(f"{f}: tensor contains NaN or Inf")
+        if not iv.sha256:
+            raise ArtifactError(f"{f}: sha256 missing")
+        digest = tensor_sha256(t)
+        if digest != iv.sha256:
+            raise ArtifactError(
+                f"{f}: sha256 mismatch: manifest {iv.sha256[:16]}…, data {digest[:16]}…"
+            )
+        norm = float(t.float().norm())
+        if iv.norm is None or not math.isclose(iv.norm, norm, rel_tol=1e-4, abs_tol=1e-6):
+            raise ArtifactError(f"{f}: norm {iv.norm} does not match the data's {norm:.6g}")
+        if not 0 <= iv.layer < m.num_layers:
+            raise ArtifactError(
+                f"{f}: layer {iv.layer} is out of range 0..{m.num_layers - 1} for a "
+                f"{m.num_layers}-layer model"
+            )
+
+
+def parse_manifest(raw: Any, where: str = "manifest") -> Manifest:
+    """Validate a manifest dict: the schema version first, then the whole schema."""
+    if not isinstance(raw, dict):
+        raise ArtifactError(f"{where}: malformed manifest: not a JSON object")
+    sv = raw.get("schema_version")
+    if sv != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{where}: unknown schema_version {sv!r} (this steerserve reads {SCHEMA_VERSION})"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, x['loc'])) or '.'}: {x['msg']}" for x in e.errors())
+        raise ArtifactError(f"{where}: malformed manifest: {why}") from None
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """The manifest of an artifact directory, validated (tensors not read)."""
+    p = Path(path) / MANIFEST_FILE
+    if not p.is_file():
+        raise ArtifactError(f"{path}: no {MANIFEST_FILE}")
+    try:
+        raw = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{p}: malformed manifest: invalid JSON: {e}") from None
+    return parse_manifest(raw, str(p))
+
+
+def load_artifact(
+    path: str | Path,
+    *,
+    model_dir: str | Path | None = None,
+    expect: ModelBinding | None = None,
+) -> Artifact:
+    """Load and verify an artifact; with ``model_dir``/``expect`` also check it fits that model."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    tf = path / TENSORS_FILE
+    if not tf.is_file():
+        raise ArtifactError(f"{path}: no {TENSORS_FILE}")
+    try:
+        tensors = load_file(str(tf))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ArtifactError(f"{tf}: unreadable: {e}") from None
+    _check(manifest, tensors, str(path))
+    if expect is None and model_dir is not None:
+        expect = binding_for_model(model_dir)
+    if expect is not None:
+        check_binding(expect, manifest.model, f"{manifest.name}/{manifest.version}")
+    return Artifact(manifest, tensors, path)
+
+
+def _prepared(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, dict]:
+    """Tensors as contiguous float32 and the manifest with sha256/norm filled in (and checked)."""
+    ts = {
+        k: torch.as_tensor(v).detach().to(torch.float32).cpu().contiguous().clone()
+        for k, v in tensors.items()
+    }
+    ivs = []
+    for iv in manifest.interventions:
+        t = ts.get(iv.tensor)
+        if t is None:
+            raise ArtifactError(f"intervention {iv.name!r}: tensor {iv.tensor!r} not given")
+        digest = tensor_sha256(t)
+        if iv.sha256 and iv.sha256 != digest:
+            raise ArtifactError(f"intervention {iv.name!r}: sha256 mismatch with the given tensor")
+        ivs.append(iv.model_copy(update={"sha256": digest, "norm": float(t.norm())}))
+    out = manifest.model_copy(update={"interventions": ivs})
+    _check(out, ts, f"{out.name}/{out.version}")
+    return out, ts
+
+
+def save_artifact(
+    path: str | Path,
+    manifest: Manifest,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    overwrite: bool = False,
+) -> Artifact:
+    """Write ``manifest.json`` + ``vectors.safetensors``; a published version is immutable."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if (path / MANIFEST_FILE).exists() and not overwrite:
+        raise ArtifactError(f"{path}: an artifact exists already (pass overwrite=True)")
+    manifest, ts = _prepared(manifest, tensors)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp_t, tmp_m = path / f".{TENSORS_FILE}.tmp", path / f".{MANIFEST_FILE}.tmp"
+    save_file(ts, str(tmp_t), metadata={"steerserve": f"{manifest.name}/{manifest.version}"})
+    tmp_m.write_text(manifest.model_dump_json(indent=2) + "\n")
+    os.replace(tmp_t, path / TENSORS_FILE)
+    os.replace(tmp_m, path / MANIFEST_FILE)
+    return Artifact(manifest, ts, path)
+
+
+def find_artifacts(root: str | Path) -> list[Path]:
+    """Every directory under ``root`` (itself included) holding a manifest."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.parent for p in root.rglob(MANIFEST_FILE))
+
+
+def artifacts_for_model(root: str | Path, model_dir: str | Path) -> list[Artifact]:
+    """The verified artifacts under ``root`` bound to this model; others are skipped and logged."""
+    expect = binding_for_model(model_dir)
+    out = []
+    for p in find_artifacts(root):
+        try:
+            out.append(load_artifact(p, expect=expect))
+        except ModelMismatch as e:
+            log.info("skipping %s: %s", p, e)
+        except ArtifactError as e:
+            log.warning("skipping %s: %s", p, e)
+    return out
+
+
+def _version_key(v: str) -> list[Any]:
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", v) if s]
+
+
+def resolve_artifact(ref: str, root: str | Path = "vectors") -> Path:
+    """``NAME/VERSION`` or ``NAME`` (its latest version) under ``root``, or an artifact dir."""
+    if (Path(ref) / MANIFEST_FILE).is_file():
+        return Path(ref)
+    base = Path(root) / ref
+    if (base / MANIFEST_FILE).is_file():
+        return base
+    versions = (
+        [p.name for p in base.iterdir() if (p / MANIFEST_FILE).is_file()] if base.is_dir() else []
+    )
+    if not versions:
+        raise ArtifactError(f"no artifact {ref!r} under {str(root)!r}")
+    return base / max(versions, key=_version_key)
+
+
+# --- llama.cpp GGUF control vectors ------------------------------------------------------------
+# llama.cpp adds tensor ``direction.N`` to the output of decoder block N (0-based il == N), so
+# N == our L; direction.0 is rejected by llama.cpp. See vectors/README.md for the evidence.
+
+GGUF_ARCH = "controlvector"
+
+
+def export_gguf(
+    artifact: Artifact, path: str | Path, *, names: Iterable[str] | None = None
+) -> Path:
+    """Write interventions as a llama.cpp control vector, each scale baked into its direction.
+
+    llama.cpp has one strength per file and steers every token, so ``positions`` is not kept
+    by llama.cpp; interventions sharing a layer are summed into one ``direction.N``.
+    """
+    import gguf
+
+    m = artifact.manifest
+    ivs = m.interventions if names is None else [m.intervention(n) for n in names]
+    by_layer: dict[int, torch.Tensor] = {}
+    for iv in ivs:
+        if iv.layer == 0:
+            raise ArtifactError(
+                f"intervention {iv.name!r}: layer 0 cannot be exported (llama.cpp rejects "
+                "direction.0; direction.N is added to the output of block N)"
+            )
+        if iv.scale == 0:
+            raise ArtifactError(f"intervention {iv.name!r}: scale 0 would export a zero vector")
+        if iv.positions != "all":
+            log.warning("%s: llama.cpp steers all tokens, not %r", iv.name, iv.positions)
+        v = artifact.tensors[iv.tensor].to(torch.float32) * iv.scale
+        by_layer[iv.layer] = by_layer[iv.layer] + v if iv.layer in by_layer else v
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), arch=GGUF_ARCH)
+    w.add_string(f"{GGUF_ARCH}.model_hint", m.model.architecture)
+    w.add_int32(f"{GGUF_ARCH}.layer_count", len(by_layer))
+    w.add_string("steerserve.source", f"{m.name}/{m.version}")
+    w.add_string("steerserve.layer_convention", LAYER_CONVENTION)
+    w.add_string("steerserve.binding", m.model.model_dump_json())
+    w.add_string("steerserve.interventions", json.dumps([iv.model_dump() for iv in ivs]))
+    for layer in sorted(by_layer):
+        w.add_tensor(f"direction.{layer}", by_layer[layer].contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def import_gguf(
+    path: str | Path,
+    *,
+    name: str,
+    version: str,
+    model_dir: str | Path,
+    intervention: str | None = None,
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read a llama.cpp control vector as a manifest bound to ``model_dir`` plus its tensors.
+
+    A file exported by steerserve gets its interventions back (direction / scale); a foreign
+    file becomes one intervention per direction at scale 1, positions ``all``.
+    """
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    r = gguf.GGUFReader(str(path))
+
+    def field(key: str) -> Any:
+        f = r.fields.get(key)
+        return None if f is None else f.contents()
+
+    if field("general.architecture") != GGUF_ARCH:
+        raise ArtifactError(
+            f"{path}: not a control vector (general.architecture {field('general.architecture')!r})"
+        )
+    binding = binding_for_model(model_dir)
+    if field("steerserve.binding"):
+        check_binding(
+            binding, ModelBinding.model_validate_json(field("steerserve.binding")), str(path)
+        )
+    dirs: dict[int, torch.Tensor] = {}
+    for t in r.tensors:
+        mt = re.fullmatch(r"direction\.(\d+)", t.name)
+        if mt is None or int(mt.group(1)) == 0:
+            raise ArtifactError(f"{path}: tensor {t.name!r} is not direction.N with N >= 1")
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise ArtifactError(f"{path}: {t.name} is {t.tensor_type.name}, expected F32")
+        n = int(mt.group(1))
+        if n >= binding.num_layers:
+            raise ArtifactError(
+                f"{path}: {t.name}: layer {n} is out of range 0..{binding.num_layers - 1}"
+            )
+        dirs[n] = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(-1))
+    if not dirs:
+        raise ArtifactError(f"{path}: no direction tensors")
+    origin = {"imported_from": path.name, "format": "llama.cpp control vector"}
+    records = json.loads(field("steerserve.interventions") or "[]")
+    ivs: list[Intervention] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for layer, v in sorted(dirs.items()):
+        here = [rec for rec in records if rec.get("layer") == layer]
+        if len(here) == 1:
+            rec = {**here[0], "sha256": "", "norm": None, "tensor": here[0]["name"]}
+            rec["provenance"] = {**rec.get("provenance", {}), **origin}
+            iv = Intervention.model_validate(rec)
+            v = v / iv.scale
+        else:
+            base = "+".join(rec["name"] for rec in here) if here else (intervention or "control")
+            nm = base if (here or len(dirs) == 1) else f"{base}.L{layer}"
+            hint = field(f"{GGUF_ARCH}.model_hint")
+            iv = Intervention(
+                name=nm,
+                tensor=nm,
+                layer=layer,
+                scale=1.0,
+                positions="all",
+                provenance={**origin, "model_hint": hint},
+            )
+        ivs.append(iv)
+        tensors[iv.tensor] = v
+    manifest = Manifest(
+        name=name,
+        version=version,
+        model=binding,
+        interventions=ivs,
+        description=f"imported from {path.name}",
+    )
+    return _prepared(manifest, tensors)
