@@ -35,7 +35,8 @@ TENSORS_FILE = "vectors.safetensors"
 EMBED_ROWS, EMBED_COLS = 64, 256
 FINGERPRINT_METHOD = (
     "steerserve-fp-v1: sha256 of canonical JSON of the config's shape keys; "
-    f"sha256 of float32 embed_tokens.weight[0:{EMBED_ROWS}, 0:{EMBED_COLS}]"
+    f"sha256 of float32 embed_tokens.weight[rows i*vocab//{EMBED_ROWS} for i<{EMBED_ROWS}, "
+    f"cols 0:{EMBED_COLS}]"
 )
 _SHAPE_KEYS = (
     "vocab_size",
@@ -192,8 +193,9 @@ def _config_sha256(cfg: Mapping[str, Any]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def _embedding_sha256(weight_slice: torch.Tensor) -> str:
-    return tensor_sha256(weight_slice[:EMBED_ROWS, :EMBED_COLS])
+def _embedding_rows(vocab: int) -> list[int]:
+    """Rows spread over the vocabulary: low ids are often unused tokens a fine-tune never moves."""
+    return sorted({i * vocab // EMBED_ROWS for i in range(EMBED_ROWS)})
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
@@ -217,8 +219,11 @@ def fingerprint_model(model_dir: str | Path) -> Fingerprint:
         raise ArtifactError(f"model {str(model_dir)!r}: no *embed_tokens.weight in *.safetensors")
     name, f = min(found, key=lambda kf: (kf[0] != "model.embed_tokens.weight", len(kf[0]), kf[0]))
     with safe_open(str(f), framework="pt") as s:
-        sl = s.get_slice(name)[:EMBED_ROWS, :EMBED_COLS]
-    return Fingerprint(config_sha256=_config_sha256(cfg), embedding_sha256=_embedding_sha256(sl))
+        sl = s.get_slice(name)
+        rows = [sl[r : r + 1, :EMBED_COLS] for r in _embedding_rows(sl.get_shape()[0])]
+    return Fingerprint(
+        config_sha256=_config_sha256(cfg), embedding_sha256=tensor_sha256(torch.cat(rows))
+    )
 
 
 def fingerprint_hf_model(model: Any) -> Fingerprint:
@@ -227,9 +232,8 @@ def fingerprint_hf_model(model: Any) -> Fingerprint:
     if not cfg.get("architectures"):
         cfg["architectures"] = [type(model).__name__]
     weight = model.get_input_embeddings().weight.detach()
-    return Fingerprint(
-        config_sha256=_config_sha256(cfg), embedding_sha256=_embedding_sha256(weight.cpu())
-    )
+    sl = weight[_embedding_rows(weight.shape[0]), :EMBED_COLS].cpu()
+    return Fingerprint(config_sha256=_config_sha256(cfg), embedding_sha256=tensor_sha256(sl))
 
 
 def _binding(cfg: Mapping[str, Any], fp: Fingerprint, source: str) -> ModelBinding:
