@@ -31,6 +31,7 @@ def vectors_list(root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP)) ->
     """List the artifacts under ROOT with their model and recommended layer/scale."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from steerserve import artifacts as art
 
@@ -39,7 +40,7 @@ def vectors_list(root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP)) ->
         try:
             m = art.read_manifest(p)
         except art.ArtifactError as e:
-            table.add_row(str(p.relative_to(root)), "", "", f"[red]invalid: {e}[/red]", "")
+            table.add_row(str(p.relative_to(root)), "", "", Text(f"invalid: {e}", style="red"), "")
             continue
         b = m.model
         ivs = m.interventions
@@ -65,67 +66,68 @@ def vectors_show(
 
     from steerserve import artifacts as art
 
-    out = Console(width=200)
+    out = Console(width=200, markup=False, highlight=False)
     try:
         path = art.resolve_artifact(ref, root)
         m = art.read_manifest(path)
     except art.ArtifactError as e:
-        out.print(f"[red]{e}[/red]")
+        out.print(str(e), style="red")
         raise typer.Exit(1) from None
-    b = m.model
-    out.print(
-        f"[bold]{m.name}/{m.version}[/bold]  ({path})  created {m.created}, steerserve {m.steerserve_version}"
-    )
+    b, fp = m.model, m.model.fingerprint
+    out.print(f"{m.name}/{m.version}", style="bold", end="")
+    out.print(f"  ({path})  created {m.created}, steerserve {m.steerserve_version}")
     if m.description:
         out.print(m.description)
-    out.print(
-        f"model: {b.architecture}, {b.num_layers} layers, hidden {b.hidden_size}, source {b.source!r}"
-    )
-    out.print(
-        f"  config {b.fingerprint.config_sha256[:16]}…  embedding {b.fingerprint.embedding_sha256[:16]}…"
-    )
+    out.print(f"model: {b.architecture}, {b.num_layers} layers, hidden {b.hidden_size}")
+    out.print(f"  source {b.source!r}, config {fp.config_sha256[:16]}…, embedding ", end="")
+    out.print(f"{fp.embedding_sha256[:16]}…")
     out.print(f"layers: {m.layer_convention}")
     for iv in m.interventions:
+        out.print(m.vector_name(iv), style="bold", end="")
         out.print(
-            f"[bold]{m.vector_name(iv)}[/bold]: layer {iv.layer}, scale {iv.scale:g}, "
-            f"positions {iv.positions}, norm {iv.norm or 0:.4g}, sha256 {iv.sha256[:16]}…"
+            f": layer {iv.layer}, scale {iv.scale:g}, positions {iv.positions}, "
+            f"norm {iv.norm or 0:.4g}, sha256 {iv.sha256[:16]}…"
         )
         if iv.provenance:
             out.print("  provenance: " + ", ".join(f"{k}={v}" for k, v in iv.provenance.items()))
         cal = iv.calibration or {}
         if cal:
             rows = next((len(v) for v in cal.values() if isinstance(v, list)), 0)
-            out.print(
-                f"  calibration: objective {cal.get('objective', '?')}; chosen {cal.get('chosen', '?')}; {rows} sweep rows"
-            )
+            out.print(f"  calibration: objective {cal.get('objective', '?')}; ", end="")
+            out.print(f"chosen {cal.get('chosen', '?')}; {rows} sweep rows")
 
 
 @vectors_app.command("verify")
 def vectors_verify(
     paths: list[Path] = typer.Argument(
-        None, help="Artifact directories (default: all under ROOT)."
+        None, help="Artifact directories, or folders to search (default: all under ROOT)."
     ),
     model: Path | None = typer.Option(
         None, "--model", help="Also check the artifacts fit this local HF checkpoint."
     ),
     root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
 ) -> None:
-    """Verify artifacts (schema, checksums, shapes, finiteness, layers, model); exit 1 on any failure."""
+    """Verify artifacts (schema, checksums, shapes, NaN/Inf, layers, model); exit 1 on any failure."""
     from rich.console import Console
 
     from steerserve import artifacts as art
 
-    out = Console(width=200)
+    out = Console(width=200, markup=False, highlight=False)
     dirs = [d for p in (paths or [root]) for d in (art.find_artifacts(p) or [p])]
-    expect = art.binding_for_model(model) if model is not None else None
     failed = 0
+    try:
+        expect = art.binding_for_model(model) if model is not None else None
+    except art.ArtifactError as e:
+        out.print(f"FAIL {e}", style="red")
+        raise typer.Exit(1) from None
     for d in dirs:
         try:
             a = art.load_artifact(d, expect=expect)
-            out.print(f"[green]OK[/green]   {d}  {a.manifest.name}/{a.manifest.version}")
+            out.print(f"OK   {d}  {a.manifest.name}/{a.manifest.version}", style="green")
         except art.ArtifactError as e:
             failed += 1
-            out.print(f"[red]FAIL[/red] {d}: {e}")
+            msg = str(e)
+            out.print(f"FAIL {msg if str(d) in msg else f'{d}: {msg}'}", style="red")
     if failed:
         raise typer.Exit(1)
 
