@@ -368,7 +368,9 @@ def load_artifact(
     return Artifact(manifest, tensors, path)
 
 
-def _prepared(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> tuple[Manifest, dict]:
+def _prepared(
+    manifest: Manifest, tensors: Mapping[str, torch.Tensor]
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Tensors as contiguous float32 and the manifest with sha256/norm filled in (and checked)."""
     ts = {
         k: torch.as_tensor(v).detach().to(torch.float32).cpu().contiguous().clone()

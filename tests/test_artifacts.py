@@ -284,6 +284,30 @@ def test_gguf_round_trip(art: A.Artifact, tiny_llama: Path, tmp_path: Path) -> N
     A.load_artifact(saved.path, model_dir=tiny_llama)
 
 
+def test_gguf_shared_layer_and_subset(art: A.Artifact, tiny_llama: Path, tmp_path: Path) -> None:
+    ivs = art.manifest.interventions
+    both = A.Artifact(
+        art.manifest.model_copy(
+            update={"interventions": [ivs[0], ivs[1].model_copy(update={"layer": 2})]}
+        ),
+        art.tensors,
+    )
+    m, ts = A.import_gguf(
+        A.export_gguf(both, tmp_path / "sum.gguf"), name="x", version="v1", model_dir=tiny_llama
+    )
+    (iv,) = m.interventions  # llama.cpp holds one direction per layer: the scaled sum
+    assert (iv.name, iv.layer, iv.scale, iv.positions) == ("recall+translation", 2, 1.0, "all")
+    want = 4.0 * art.tensors["recall"] - 1.5 * art.tensors["translation"]
+    assert torch.allclose(ts[iv.tensor], want)
+    m, _ = A.import_gguf(
+        A.export_gguf(art, tmp_path / "one.gguf", names=["translation"]),
+        name="x",
+        version="v1",
+        model_dir=tiny_llama,
+    )
+    assert [(iv.name, iv.layer) for iv in m.interventions] == [("translation", 1)]
+
+
 def test_gguf_foreign_and_refusals(
     art: A.Artifact, tiny_llama: Path, tiny_gemma: Path, tmp_path: Path
 ) -> None:
@@ -370,6 +394,8 @@ def test_cli(art: A.Artifact, tiny_llama: Path, tiny_gemma: Path) -> None:
     res = run(app, ["vectors", "verify", str(art.path), "--model", str(tiny_gemma)])
     assert res.exit_code == 1
     assert "different model" in res.output
+    res = run(app, ["vectors", "verify", str(art.path), "--model", str(art.path)])
+    assert res.exit_code == 1 and "no config.json" in res.output
 
     _edit(art.path, lambda r: r.update(schema_version=3))
     res = run(app, ["vectors", "verify", str(art.path)])
