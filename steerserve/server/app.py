@@ -1,0 +1,882 @@
+"""The OpenAI-compatible FastAPI app: factory, lifespan (engine in the background), routes, errors.
+
+Every request is validated in full (body, model, prompt length, steering) before it reaches the
+engine, so bad input is a 4xx in OpenAI's format and never a 500 or a silently unsteered answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import re
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from steerserve.engine.api import EngineConfig, Prepared
+from steerserve.server import protocol as P
+from steerserve.server.engine import ServingEngine, load_artifacts
+from steerserve.server.metrics import Metrics
+from steerserve.server.policy import Decision, LoadedArtifact, SteeringPolicy
+from steerserve.server.protocol import ApiError
+
+logger = logging.getLogger("steerserve.server")
+
+HEADER = "x-steerserve-steering"
+_ARTIFACT_REF = re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}(/[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99})?$"
+)
+T = TypeVar("T")
+
+
+@dataclass
+class ServerSettings:
+    """What ``steerserve serve`` configures (see ``cli.py`` for the options and variables)."""
+
+    engine: EngineConfig
+    vectors_dir: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    steering: str = "auto"  # default policy: off | on | auto
+    max_body_bytes: int = 1 << 20
+    exit_on_load_failure: bool = False  # the CLI: a server that cannot load should not idle
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+@dataclass
+class Call:
+    """Per-request bookkeeping read by the error handlers (metrics need endpoint and arm)."""
+
+    endpoint: str
+    arm: str = "none"
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class ServerState:
+    """The app's state: settings, engine, policy, metrics, readiness."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine = ServingEngine(settings.engine)
+        self.policy = SteeringPolicy(
+            self.engine.registry, settings.steering, settings.engine.max_abs_scale
+        )
+        self.metrics = Metrics()
+        self.model_name = settings.served_model_name or Path(settings.engine.model).name
+        self.load_error: BaseException | None = None
+        self.created = int(time.time())
+        self._loaded = False
+
+    @property
+    def ready(self) -> bool:
+        return self._loaded and self.engine.ready
+
+    # --- startup -----------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        try:
+            await self.engine.start()
+            if self.engine.cfg.steering:
+                arts = await asyncio.to_thread(
+                    load_artifacts, self.settings.vectors_dir, self.settings.engine.model
+                )
+                for art in _default_first(arts):
+                    await self.add_artifact(art)
+            if self.policy.default_artifact is None and self.policy.default != "off":
+                if self.policy.default == "on":
+                    raise RuntimeError(
+                        f"--steering on, but no artifact for this model under "
+                        f"{self.settings.vectors_dir!r}"
+                    )
+                logger.warning("no steering artifact for this model: default policy is off")
+                self.policy.default = "off"
+            if self.policy.default_artifact is not None:
+                await asyncio.to_thread(self.policy.detector.warm)
+            self._loaded = True
+            self.metrics.ready.set(1)
+            logger.info(
+                "ready: model %s, artifacts %s (default %s), policy %s",
+                self.model_name,
+                list(self.policy.artifacts),
+                self.policy.default_artifact,
+                self.policy.default,
+            )
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.load_error = e
+            logger.exception("engine failed to load")
+            if self.settings.exit_on_load_failure:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    async def add_artifact(self, art: Any, make_default: bool = False) -> LoadedArtifact:
+        m = art.manifest
+        for iv in m.interventions:
+            await self.engine.register(m.vector_name(iv), art.tensors[iv.tensor], str(art.path))
+        loaded = LoadedArtifact.from_artifact(art)
+        self.policy.add(loaded, make_default)
+        return loaded
+
+    # --- per request -------------------------------------------------------------------------
+
+    def check(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        if not self.ready:
+            raise ApiError(
+                "the engine is still loading" if self.load_error is None else "the engine failed",
+                status=503,
+                type="service_unavailable",
+            )
+
+    async def steer(self, raw: Any, text: str, force: bool = False) -> tuple[Decision, Prepared]:
+        lang = None
+        if self.policy.mode_of(raw) == "auto":
+            lang = await asyncio.to_thread(self.policy.detector.detect, text)
+        decision = self.policy.resolve(raw, language=lang, force=force)
+        try:
+            prepared = self.engine.prepare(list(decision.entries) or None)
+        except ValueError as e:
+            msg = str(e)
+            if decision.policy == "entries":
+                msg = msg.replace("steering[", "steering.entries[", 1)
+            param = msg.split(":", 1)[0] if ":" in msg else "steering"
+            raise ApiError(msg, param=param) from None
+        if force and not prepared.steered:
+            raise ApiError("steering: the steered arm would not be steered", param="steering")
+        return decision, prepared
+
+    def sampling(
+        self, req: P.ChatCompletionRequest | P.CompletionRequest, prompt_len: int, **kw: Any
+    ) -> Any:
+        from vllm import SamplingParams
+
+        max_len = self.engine.max_model_len
+        room = max_len - prompt_len
+        budget = req.token_budget()
+        if room <= 0 or (budget is not None and budget > room):
+            asked = prompt_len + (budget or 1)
+            raise ApiError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the prompt, {budget or 1} for the completion).",
+                param="max_tokens" if room > 0 else "messages",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                max_tokens=budget or room,
+                stop=req.stop_list(),
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                ignore_eos=req.ignore_eos,
+                **kw,
+            )
+        except Exception as e:  # vLLM's own checks (ValueError / VLLMValidationError)
+            raise ApiError(str(e)) from None
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(f"{param}: the prompt is empty", param=param)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+
+def _default_first(arts: list[Any]) -> list[Any]:
+    """Load order: by name, latest version first; the first one becomes the default."""
+    from steerserve.artifacts import _version_key
+
+    newest = sorted(arts, key=lambda a: _version_key(a.manifest.version), reverse=True)
+    return sorted(newest, key=lambda a: a.manifest.name)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.steer
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes (before reading it when announced)."""
+    too_big = ApiError(
+        f"request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; cancel it (aborting generation) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - the request is gone either way
+        pass
+    raise ClientGone
+
+
+def engine_error(e: BaseException) -> ApiError:
+    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx)."""
+    if isinstance(e, BaseExceptionGroup):
+        return engine_error(e.exceptions[0])
+    if isinstance(e, ApiError):
+        return e
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(e, GracefulHTTPError):
+        return ApiError(e.message, status=int(e.http_status), type="service_unavailable")
+    if isinstance(e, (VLLMClientError, ValueError)):
+        return ApiError(str(e))
+    if isinstance(e, EngineDeadError):
+        return ApiError("the engine died", status=503, type="service_unavailable")
+    logger.error("generation failed", exc_info=e)
+    return ApiError("generation failed", status=500, type="server_error")
+
+
+async def collect(gen: AsyncGenerator[Any, None]) -> Any:
+    last = None
+    async for out in gen:
+        last = out
+    return last
+
+
+async def merge(gens: list[AsyncGenerator[Any, None]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several engine streams; closing the merge cancels (aborts) them all."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _usage(prompt: int, completion: int) -> P.Usage:
+    return P.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+# --- auth ---------------------------------------------------------------------------------------
+
+
+async def require_key(request: Request) -> None:
+    key = _state(request).settings.api_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), key):
+        raise ApiError(
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            status=401,
+            code="invalid_api_key",
+        )
+
+
+# --- app ----------------------------------------------------------------------------------------
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            await state.engine.shutdown()
+            logger.info("engine shut down")
+
+    app = FastAPI(title="steerserve", version="0.1.0", lifespan=lifespan)
+    app.state.steer = state
+    _errors(app)
+    app.include_router(_ops_router())
+    app.include_router(_v1_router(), dependencies=[Depends(require_key)])
+    return app
+
+
+def _errors(app: FastAPI) -> None:
+    def record(request: Request, status: int) -> None:
+        call: Call | None = getattr(request.state, "call", None)
+        if call is not None:
+            _state(request).metrics.observe(call.endpoint, call.arm, status, None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        record(request, e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        param = P._param(tuple(err.get("loc", ()))[1:])
+        return await api_error(request, ApiError(f"{param}: {err['msg']}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        typ = "invalid_request_error" if e.status_code < 500 else "server_error"
+        err = ApiError(str(e.detail), status=e.status_code, type=typ)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        record(request, 500)
+        err = ApiError("internal server error", status=500, type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def _ops_router() -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the process serves HTTP."""
+        return {"status": "ok"}
+
+    @r.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        """Readiness: 200 once the engine is loaded, else 503."""
+        s = _state(request)
+        if s.ready:
+            return JSONResponse({"status": "ready", "model": s.model_name})
+        if s.load_error is not None:
+            return JSONResponse({"status": "failed", "error": str(s.load_error)}, 503)
+        return JSONResponse({"status": "loading"}, 503)
+
+    @r.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        m = _state(request).metrics
+        return Response(m.render(), media_type=m.content_type)
+
+    return r
+
+
+def _v1_router() -> APIRouter:
+    r = APIRouter(prefix="/v1")
+
+    @r.get("/models")
+    async def models(request: Request) -> Response:
+        s = _state(request)
+        max_len = s.engine.max_model_len if s.ready else s.settings.engine.max_model_len
+        card = P.ModelCard(
+            id=s.model_name, created=s.created, root=s.model_name, max_model_len=max_len
+        )
+        return _json(P.ModelList(data=[card]))
+
+    @r.post("/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _chat(request, ab=False)
+
+    @r.post("/chat/completions/ab")
+    async def chat_ab(request: Request) -> Response:
+        return await _chat(request, ab=True)
+
+    @r.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await _completions(request)
+
+    @r.get("/steering/vectors")
+    async def list_vectors(request: Request) -> dict[str, Any]:
+        return _vectors_listing(_state(request))
+
+    @r.post("/steering/vectors")
+    async def load_vectors(request: Request) -> dict[str, Any]:
+        return await _load_vectors(request)
+
+    return r
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+
+async def _chat(request: Request, ab: bool) -> Response:
+    s = _state(request)
+    call = request.state.call = Call("ab" if ab else "chat")
+    req = P.parse_request(
+        P.ChatCompletionRequest, await read_body(request, s.settings.max_body_bytes)
+    )
+    s.check(req.model)
+    if ab and req.stream:
+        raise ApiError("stream: the A/B endpoint does not stream", param="stream")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in req.messages
+    ]
+    try:
+        ids = s.engine.chat_ids(messages)
+    except Exception as e:  # a template that refuses the conversation (e.g. role order)
+        raise ApiError(f"messages: the chat template refused them: {e}", param="messages") from None
+    user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    decision, prepared = await s.steer(req.steering, user, force=ab)
+    call.arm = "ab" if ab else ("steered" if prepared.steered else "unsteered")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    if ab and req.seed is None:
+        req.seed = random.randrange(2**31)  # both arms sample with the same seed
+    sp = s.sampling(req, len(ids), logprobs=top, output_kind=kind)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    info = decision.info(prepared.steered)
+    headers = {HEADER: info.header()}
+    if req.stream:
+        gen = s.engine.generate(ids, sp, prepared, rid)
+        first = await _prime(gen)
+        body = _chat_stream(s, call, req, rid, gen, first, info, len(ids), top or 0)
+        return _stream_response(body, headers)
+
+    async def one(p: Prepared, d: Decision, arm: str, rid: str) -> P.ChatCompletion:
+        out = await collect(s.engine.generate(ids, sp, p, rid))
+        return _chat_completion(s, rid, req.model, out, d.info(p.steered), arm, top or 0)
+
+    s.metrics.queue_depth.inc()
+    try:
+        if not ab:
+            arm = call.arm
+            res: BaseModel = await until_disconnect(request, one(prepared, decision, arm, rid))
+        else:
+            off = Decision("off")
+
+            async def both() -> tuple[P.ChatCompletion, P.ChatCompletion]:
+                async with asyncio.TaskGroup() as tg:
+                    a = tg.create_task(one(Prepared((), {}, None), off, "unsteered", rid + "-a"))
+                    b = tg.create_task(one(prepared, decision, "steered", rid + "-b"))
+                return a.result(), b.result()
+
+            un, st = await until_disconnect(request, both())
+            same = [c.message.content for c in un.choices] == [
+                c.message.content for c in st.choices
+            ]
+            res = P.ABResponse(unsteered=un, steered=st, identical=same)
+    except ClientGone:
+        s.metrics.observe(call.endpoint, call.arm, 499, time.perf_counter() - call.t0)
+        return Response(status_code=499)
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        s.metrics.queue_depth.dec()
+    s.metrics.observe(call.endpoint, call.arm, 200, time.perf_counter() - call.t0)
+    return _json(res, headers)
+
+
+def _chat_completion(
+    s: ServerState, rid: str, model: str, out: Any, info: P.SteeringInfo, arm: str, top: int
+) -> P.ChatCompletion:
+    tok = s.engine.tokenizer
+    choices = [
+        P.ChatChoice(
+            index=o.index,
+            message=P.AssistantMessage(content=o.text),
+            logprobs=P.chat_logprobs(list(o.token_ids), o.logprobs, top, tok),
+            finish_reason=o.finish_reason,
+        )
+        for o in sorted(out.outputs, key=lambda o: o.index)
+    ]
+    prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+    s.metrics.count_tokens(arm, prompt, completion)
+    return P.ChatCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=_usage(prompt, completion),
+        steering=info,
+    )
+
+
+async def _prime(gen: AsyncGenerator[Any, None]) -> Any:
+    """Submit the request and wait for its first output, so engine-side refusals are still a
+    proper 4xx (the stream's 200 is not sent yet)."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as e:
+        await gen.aclose()
+        raise engine_error(e) from None
+
+
+def _stream_response(body: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
+    headers = {**headers, "cache-control": "no-cache"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+async def _chained(first: Any, gen: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+        async for out in gen:
+            yield out
+
+
+async def _chat_stream(
+    s: ServerState,
+    call: Call,
+    req: P.ChatCompletionRequest,
+    rid: str,
+    gen: AsyncGenerator[Any, None],
+    first: Any,
+    info: P.SteeringInfo,
+    prompt_len: int,
+    top: int,
+) -> AsyncIterator[str]:
+    created, tok = int(time.time()), s.engine.tokenizer
+    completion, status = 0, 200
+
+    def chunk(choices: list[P.ChunkChoice], **kw: Any) -> str:
+        c = P.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, **kw)
+        return _sse(c)
+
+    s.metrics.queue_depth.inc()
+    try:
+        yield chunk(
+            [
+                P.ChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
+                for i in range(req.n)
+            ],
+            steering=info,
+        )
+        async for out in _chained(first, gen):
+            for o in out.outputs:
+                completion += len(o.token_ids)
+                lp = (
+                    P.chat_logprobs(list(o.token_ids), o.logprobs, top, tok)
+                    if req.logprobs
+                    else None
+                )
+                if o.text or lp or o.finish_reason:
+                    delta = P.Delta(content=o.text) if o.text else P.Delta()
+                    yield chunk(
+                        [
+                            P.ChunkChoice(
+                                index=o.index,
+                                delta=delta,
+                                logprobs=lp,
+                                finish_reason=o.finish_reason,
+                            )
+                        ]
+                    )
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], usage=_usage(prompt_len, completion), steering=info)
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        status = 499  # the client went away: the engine request was aborted
+        raise
+    except Exception as e:
+        err = engine_error(e)
+        status = err.status
+        yield f"data: {_json_dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        s.metrics.queue_depth.dec()
+        await gen.aclose()
+        s.metrics.count_tokens(call.arm, prompt_len, completion)
+        s.metrics.observe(call.endpoint, call.arm, status, time.perf_counter() - call.t0)
+
+
+def _json_dumps(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+# --- completions --------------------------------------------------------------------------------
+
+
+async def _completions(request: Request) -> Response:
+    s = _state(request)
+    call = request.state.call = Call("completions")
+    req = P.parse_request(P.CompletionRequest, await read_body(request, s.settings.max_body_bytes))
+    s.check(req.model)
+    if req.echo and req.logprobs is not None:
+        raise ApiError("echo: cannot be combined with logprobs", param="echo")
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[list[int]] = [s.engine.encode(p)]
+        texts = [p]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts, texts = [s.engine.encode(x) for x in p], list(p)  # type: ignore[arg-type]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[list-item]
+        texts = [s.engine.decode(prompts[0])]
+    else:
+        prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        texts = [s.engine.decode(x) for x in prompts]
+    if not prompts:
+        raise ApiError("prompt: must not be empty", param="prompt")
+    for ids in prompts:
+        s.check_ids(ids, "prompt")
+    decision, prepared = await s.steer(req.steering, "\n".join(texts))
+    call.arm = "steered" if prepared.steered else "unsteered"
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+    sps = [s.sampling(req, len(ids), logprobs=req.logprobs, output_kind=kind) for ids in prompts]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    info = decision.info(prepared.steered)
+    headers = {HEADER: info.header()}
+    gens = [
+        s.engine.generate(ids, sp, prepared, f"{rid}-{i}")
+        for i, (ids, sp) in enumerate(zip(prompts, sps, strict=True))
+    ]
+    if req.stream:
+        firsts = []
+        for g in gens:
+            try:
+                firsts.append(await _prime(g))
+            except ApiError:
+                for other in gens:
+                    await other.aclose()
+                raise
+        body = _completion_stream(s, call, req, rid, gens, firsts, info, prompts, texts)
+        return _stream_response(body, headers)
+
+    async def run() -> list[Any]:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(collect(g)) for g in gens]
+        return [t.result() for t in tasks]
+
+    s.metrics.queue_depth.inc()
+    try:
+        outs = await until_disconnect(request, run())
+    except ClientGone:
+        s.metrics.observe(call.endpoint, call.arm, 499, time.perf_counter() - call.t0)
+        return Response(status_code=499)
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        s.metrics.queue_depth.dec()
+    tok, choices, completion = s.engine.tokenizer, [], 0
+    for i, out in enumerate(outs):
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            completion += len(o.token_ids)
+            prefix = texts[i] if req.echo else ""
+            lp = P.completion_logprobs(list(o.token_ids), o.logprobs, req.logprobs or 0, tok)
+            choices.append(
+                P.CompletionChoice(
+                    index=i * req.n + o.index,
+                    text=prefix + o.text,
+                    logprobs=lp,
+                    finish_reason=o.finish_reason,
+                )
+            )
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    s.metrics.count_tokens(call.arm, prompt_tokens, completion)
+    s.metrics.observe(call.endpoint, call.arm, 200, time.perf_counter() - call.t0)
+    res = P.Completion(
+        id=rid,
+        created=int(time.time()),
+        model=req.model,
+        choices=choices,
+        usage=_usage(prompt_tokens, completion),
+        steering=info,
+    )
+    return _json(res, headers)
+
+
+async def _completion_stream(
+    s: ServerState,
+    call: Call,
+    req: P.CompletionRequest,
+    rid: str,
+    gens: list[AsyncGenerator[Any, None]],
+    firsts: list[Any],
+    info: P.SteeringInfo,
+    prompts: list[list[int]],
+    texts: list[str],
+) -> AsyncIterator[str]:
+    created, tok = int(time.time()), s.engine.tokenizer
+    completion, status = 0, 200
+    offsets: dict[int, int] = {}
+
+    def chunk(choices: list[P.CompletionChoice], **kw: Any) -> str:
+        c = P.Completion(id=rid, created=created, model=req.model, choices=choices, **kw)
+        return _sse(c)
+
+    s.metrics.queue_depth.inc()
+    streams = [_chained(f, g) for f, g in zip(firsts, gens, strict=True)]
+    try:
+        first_chunk = True
+        if req.echo:
+            for i, text in enumerate(texts):
+                for j in range(req.n):
+                    yield chunk([P.CompletionChoice(index=i * req.n + j, text=text)], steering=info)
+            first_chunk = False
+        async for i, out in merge(streams):  # type: ignore[arg-type]
+            for o in out.outputs:
+                idx = i * req.n + o.index
+                completion += len(o.token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp = P.completion_logprobs(
+                        list(o.token_ids), o.logprobs, req.logprobs, tok, offsets.get(idx, 0)
+                    )
+                    offsets[idx] = offsets.get(idx, 0) + len(o.text)
+                if o.text or lp or o.finish_reason or first_chunk:
+                    c = P.CompletionChoice(
+                        index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
+                    )
+                    yield chunk([c], steering=info if first_chunk else None)
+                    first_chunk = False
+        if req.stream_options and req.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for ids in prompts)
+            yield chunk([], usage=_usage(prompt_tokens, completion), steering=info)
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception as e:
+        err = engine_error(e)
+        status = err.status
+        yield f"data: {_json_dumps(err.body())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        s.metrics.queue_depth.dec()
+        for g in gens:
+            await g.aclose()
+        s.metrics.count_tokens(call.arm, sum(len(ids) for ids in prompts), completion)
+        s.metrics.observe(call.endpoint, call.arm, status, time.perf_counter() - call.t0)
+
+
+# --- steering vectors (admin) -------------------------------------------------------------------
+
+
+def _vectors_listing(s: ServerState) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "default": s.policy.default_artifact,
+        "policy": s.policy.default,
+        "data": [
+            {
+                "id": key,
+                "name": a.name,
+                "version": a.version,
+                "default": key == s.policy.default_artifact,
+                "interventions": sorted(a.interventions),
+                "manifest": a.manifest,
+            }
+            for key, a in s.policy.artifacts.items()
+        ],
+    }
+
+
+async def _load_vectors(request: Request) -> dict[str, Any]:
+    s = _state(request)
+    request.state.call = Call("vectors")
+    req = P.parse_request(P.VectorLoadRequest, await read_body(request, s.settings.max_body_bytes))
+    if not s.ready:
+        raise ApiError("the engine is still loading", status=503, type="service_unavailable")
+    if not _ARTIFACT_REF.match(req.name) or ".." in req.name:
+        raise ApiError(
+            "name: must be an artifact name, optionally /version (never a path)", param="name"
+        )
+    if not s.engine.cfg.steering:
+        raise ApiError("this server was built without the steering plugin", param="name")
+    name, _, version = req.name.partition("/")
+    arts = await asyncio.to_thread(load_artifacts, s.settings.vectors_dir, s.settings.engine.model)
+    found = [
+        a
+        for a in arts
+        if a.manifest.name == name and (not version or a.manifest.version == version)
+    ]
+    if not found:
+        raise ApiError(
+            f"name: no artifact {req.name!r} for this model in the vectors directory",
+            status=404,
+            param="name",
+            code="artifact_not_found",
+        )
+    art = _default_first(found)[0]
+    try:
+        loaded = await s.add_artifact(art, make_default=req.default)
+    except ValueError as e:  # same name/version, other data: artifacts are immutable
+        raise ApiError(str(e), status=409, param="name", code="conflict") from None
+    s.metrics.observe("vectors", "none", 200, None)
+    logger.info("loaded artifact %s (default: %s)", loaded.key, s.policy.default_artifact)
+    return {"loaded": loaded.key, **_vectors_listing(s)}

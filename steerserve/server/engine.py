@@ -1,0 +1,158 @@
+"""The server's engine: vLLM ``AsyncLLM`` with the steering plugin, built off the event loop.
+
+Reuses the engine package's front-end pieces (``engine_kwargs``, ``Admission``, ``make_prompt``,
+``with_steering``, ``vector_payload``, ``check_workers``) so the server and the offline API can
+never disagree about what a steering entry means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from steerserve.engine.api import (
+    Admission,
+    EngineConfig,
+    ModelShape,
+    Prepared,
+    check_workers,
+    engine_kwargs,
+    make_prompt,
+    vector_payload,
+    with_steering,
+)
+from steerserve.engine.registry import RegisteredVector, VectorRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class ServingEngine:
+    """One AsyncLLM and the admission state (registered vectors) that goes with it."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.shape = ModelShape.read(cfg.model)
+        self.admission = Admission(cfg, self.shape)
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self._build: asyncio.Future[Any] | None = None
+        self._closing = False
+        self._register_lock = asyncio.Lock()
+
+    @property
+    def registry(self) -> VectorRegistry:
+        return self.admission.registry
+
+    @property
+    def ready(self) -> bool:
+        return self.llm is not None and not self.llm.errored
+
+    def _make(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.cfg, self.shape)))
+
+    async def start(self) -> None:
+        """Build the engine in a worker thread (seconds to minutes) so /health answers meanwhile."""
+        self._build = asyncio.get_running_loop().run_in_executor(None, self._make)
+        llm = await asyncio.shield(self._build)
+        if self._closing:
+            llm.shutdown()
+            raise RuntimeError("shut down while the engine was loading")
+        if self.cfg.steering:
+            check_workers(await llm.collective_rpc("steer_info"), self.cfg)
+        self.tokenizer = llm.get_tokenizer()
+        self.llm = llm
+
+    async def register(
+        self, name: str, tensor: torch.Tensor, source: str | None = None
+    ) -> RegisteredVector:
+        """Register a vector on every worker, then admit it (a name is usable only once every
+        worker holds it)."""
+        if not self.cfg.steering:
+            raise ValueError("this engine was built without the steering plugin")
+        async with self._register_lock:
+            if name in self.registry:
+                return self.registry.add(name, tensor, source)  # same data: no-op; else refused
+            rv = VectorRegistry(self.shape.hidden_size).add(name, tensor, source)
+            await self.llm.collective_rpc("steer_register", args=vector_payload(rv))
+            return self.registry.add(name, rv.tensor, source)
+
+    # --- prompts ---------------------------------------------------------------------------------
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat with the model's template; base models without one get a plain
+        transcript (a lone user message is sent as is, so few-shot prompts work through chat)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = enc["input_ids"] if not isinstance(enc, list) else enc
+            return list(ids)
+        turns = [m for m in messages if m["role"] != "system"]
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+        if len(turns) == 1 and turns[0]["role"] == "user":
+            text = turns[0]["content"]
+        else:
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in turns)
+            text += "Assistant:"
+        return self.encode(f"{system}\n\n{text}" if system else text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.llm.model_config.get_vocab_size())
+
+    def prepare(self, entries: Sequence[Any] | None) -> Prepared:
+        return self.admission.prepare(entries)
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: Any, prepared: Prepared, request_id: str
+    ) -> AsyncGenerator[Any, None]:
+        """Stream ``RequestOutput``s; closing/cancelling the generator aborts the request."""
+        return self.llm.generate(
+            make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
+        )
+
+    async def abort(self, request_id: str) -> None:
+        if self.llm is not None:
+            await self.llm.abort(request_id)
+
+    def in_flight(self) -> int:
+        return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
+
+    async def shutdown(self) -> None:
+        """Stop the engine (and its processes); waits for a build still in progress."""
+        self._closing = True
+        llm = self.llm
+        if llm is None and self._build is not None:
+            try:
+                llm = await self._build
+            except Exception:  # the build failed: nothing to shut down
+                llm = None
+        self.llm = None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+
+def load_artifacts(root: str | Path | None, model_dir: str | Path) -> list[Any]:
+    """The verified artifacts under ``root`` bound to this model (others skipped, logged)."""
+    if root is None or not Path(root).is_dir():
+        return []
+    from steerserve.artifacts import artifacts_for_model
+
+    return artifacts_for_model(root, model_dir)

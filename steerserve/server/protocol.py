@@ -1,0 +1,381 @@
+"""Request and response models: OpenAI's chat/completions schema plus ``steering``.
+
+Requests are strict (unknown fields and wrong types are refused), so a misspelt ``steering`` can
+never produce a silently unsteered answer. ``steering`` itself is parsed by the policy, which
+gives messages a user can act on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+STEERING_DOC = (
+    'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
+    '| {"entries": [{"vector", "layer", "scale", "positions"}]}; absent: the server default'
+)
+
+
+class ApiError(Exception):
+    """An error to return in OpenAI's format; ``status`` < 500 means the caller's fault."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Clients echo assistant turns back with extra fields (tool_calls, refusal...): ignore them.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message as plain text; only text parts are supported."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(
+                    f"content part of type {part.type!r} is not supported (text only)",
+                    param="messages.content",
+                )
+            out.append(part.text)
+        return "".join(out)
+
+
+class _Sampling(_Request):
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM extension: useful for benchmarks and tests
+    steering: Any = Field(None, description=STEERING_DOC)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: None = None
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+class VectorLoadRequest(_Request):
+    name: str = Field(description="artifact name, optionally /version; never a path")
+    default: bool = Field(False, description="make it the artifact `steering: true` uses")
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class AppliedIntervention(BaseModel):
+    artifact: str | None
+    version: str | None
+    name: str
+    vector: str
+    sha256: str
+    layer: int
+    scale: float
+    positions: str
+
+
+class SteeringInfo(BaseModel):
+    applied: bool
+    policy: str
+    interventions: list[AppliedIntervention] = Field(default_factory=list)
+    detected_language: str | None = None
+
+    def header(self) -> str:
+        """``x-steerserve-steering``: compact ASCII JSON, or ``off``."""
+        if not self.applied:
+            return "off"
+        return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"))
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    steering: SteeringInfo
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    steering: SteeringInfo | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    steering: SteeringInfo | None = None
+
+
+class ABResponse(BaseModel):
+    unsteered: ChatCompletion
+    steered: ChatCompletion
+    identical: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "steerserve"
+    root: str
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- validation errors -> OpenAI errors ---------------------------------------------------------
+
+# pydantic puts union-member tags ("str", "list[int]", "ContentPart") into error locations.
+M = TypeVar("M", bound=BaseModel)
+
+_TAG = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TAG.match(str(part)):
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; the first problem becomes a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(
+                f"request body is not valid JSON: {err['msg']}", code="invalid_json"
+            ) from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise ApiError("request body must be a JSON object", code="invalid_json") from None
+        param = _param(tuple(err["loc"]))
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unrecognized request argument"
+        raise ApiError(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+# --- engine outputs -> response pieces ----------------------------------------------------------
+
+
+def _token_text(lp: Any, token_id: int, tokenizer: Any) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else tokenizer.decode([token_id])
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Any]] | None, top: int, tokenizer: Any
+) -> ChatLogprobs | None:
+    """OpenAI chat ``logprobs.content`` from vLLM's per-token ``{token_id: Logprob}``."""
+    if logprobs is None:
+        return None
+    content = []
+    for tid, lps in zip(token_ids, logprobs, strict=False):
+        chosen = lps[tid]
+        tok = _token_text(chosen, tid, tokenizer)
+        ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top] if top else []
+        content.append(
+            TokenLogprob(
+                token=tok,
+                logprob=max(chosen.logprob, -9999.0),
+                bytes=list(tok.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(t := _token_text(lp, i, tokenizer)),
+                        logprob=max(lp.logprob, -9999.0),
+                        bytes=list(t.encode()),
+                    )
+                    for i, lp in ranked
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Any]] | None,
+    top: int,
+    tokenizer: Any,
+    offset: int = 0,
+) -> CompletionLogprobs | None:
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if logprobs is None:
+        return None
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for tid, lps in zip(token_ids, logprobs, strict=False):
+        chosen = lps[tid]
+        tok = _token_text(chosen, tid, tokenizer)
+        out.tokens.append(tok)
+        out.token_logprobs.append(max(chosen.logprob, -9999.0))
+        ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top]
+        out.top_logprobs.append(
+            {_token_text(lp, i, tokenizer): max(lp.logprob, -9999.0) for i, lp in ranked}
+        )
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
