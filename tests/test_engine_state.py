@@ -1,0 +1,139 @@
+"""The worker-side bookkeeping without an engine: entry validation, row planning, the per-token
+index for batches with chunked prefill and decode, slot reuse, padding, and rank determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from steerserve.engine import spec
+from steerserve.engine.buffers import SteeringState
+
+H = 8
+
+
+def _state(**kw) -> SteeringState:
+    st = SteeringState(
+        num_layers=4,
+        hidden_size=H,
+        max_num_seqs=4,
+        max_num_tokens=64,
+        rows_per_request=kw.pop("rows_per_request", 4),
+        device="cpu",
+    )
+    st.register_vector("a", torch.arange(H, dtype=torch.float32), "da")
+    st.register_vector("b", torch.ones(H), "db")
+    return st
+
+
+def _spec(*entries: tuple[str, int, float, str]) -> dict:
+    return {spec.EXTRA_ARGS_KEY: spec.encode([spec.SteeringEntry(*e) for e in entries])}
+
+
+def _delta(st: SteeringState, layer: int, upto: int) -> torch.Tensor:
+    return st.pool[st.index[layer, :upto].long()]
+
+
+def test_plan_rows_groups_phases_and_stacks_entries():
+    e = [
+        spec.SteeringEntry("a", 1, 2.0, "all"),
+        spec.SteeringEntry("b", 1, 1.0, "generated"),
+        spec.SteeringEntry("b", 3, 1.0, "last_prompt_and_generated"),
+    ]
+    rows = spec.plan_rows(e)
+    assert [(r.layer, r.phases) for r in rows] == [(1, (0, 1)), (1, (2,)), (3, (1, 2))]
+    assert rows[1].terms == (("a", 2.0), ("b", 1.0))
+
+
+def test_encode_decode_round_trip_and_salt():
+    e = (spec.SteeringEntry("a", 1, 0.5, "all"), spec.SteeringEntry("b", 2, -1.0, "generated"))
+    assert spec.decode(spec.encode(e)) == e
+    s1 = spec.cache_salt(e, {"a": "x", "b": "y"})
+    assert s1.startswith("steer-") and len(s1) <= 128
+    assert s1 != spec.cache_salt(e, {"a": "x2", "b": "y"})  # same names, other data
+    assert s1 != spec.cache_salt(e[:1], {"a": "x", "b": "y"})
+
+
+def test_rows_per_request_budget_is_enforced_at_admission():
+    entries = [{"vector": "a", "layer": i, "scale": 1.0, "positions": "all"} for i in range(3)]
+    with pytest.raises(ValueError, match="needs 3 distinct"):
+        spec.validate(entries, num_layers=4, vectors={"a": 1}, rows_per_request=2)
+    with pytest.raises(ValueError, match="not steerable"):
+        spec.validate(entries[:1], num_layers=4, vectors={"a": 1}, steerable_layers=[1])
+
+
+def test_index_follows_phases_chunked_prefill_and_decode():
+    st = _state()
+    extra = {
+        "r0": None,
+        "r1": _spec(("a", 1, 2.0, "last_prompt_and_generated")),
+        "r2": _spec(("b", 1, -1.0, "all"), ("a", 2, 1.0, "generated")),
+    }
+    st.sync(["r0", "r1", "r2"], extra.get)
+    # step: r0 decodes 1 token, r1 prefills its whole 4-token prompt, r2 prefills chunk 2..5 of 6
+    qsl = np.array([0, 1, 5, 8])
+    st.prepare_step(["r0", "r1", "r2"], qsl, np.array([7, 0, 2]), np.array([3, 4, 6]))
+    a, b = st.vectors["a"], st.vectors["b"]
+    d1 = _delta(st, 1, 8)
+    assert torch.equal(d1[0], torch.zeros(H))  # r0 unsteered
+    assert torch.equal(d1[1:4], torch.zeros(3, H))  # r1 prompt tokens 0..2
+    assert torch.equal(d1[4], 2.0 * a)  # r1 last prompt token
+    assert torch.equal(d1[5:8], (-1.0 * b).expand(3, H))  # r2 "all"
+    assert torch.equal(_delta(st, 2, 8), torch.zeros(8, H))  # r2 prompt: "generated" not yet
+    assert torch.equal(_delta(st, 0, 8), torch.zeros(8, H))
+    # next step: r0 finished; r1 and r2 decode their first generated token
+    st.sync(["r1", "r2"], extra.get)
+    st.prepare_step(["r1", "r2"], np.array([0, 1, 2]), np.array([4, 6]), np.array([4, 6]))
+    assert torch.equal(_delta(st, 1, 2), torch.stack([2.0 * a, -1.0 * b]))
+    assert torch.equal(_delta(st, 2, 2), torch.stack([torch.zeros(H), 1.0 * a]))
+    assert int(st.index[:, 2:].abs().sum()) == 0  # stale tail from the 8-token step zeroed
+
+
+def test_slots_are_freed_and_reused_and_index_cleared():
+    st = _state()
+    extra = {f"r{i}": _spec(("a", 0, float(i + 1), "all")) for i in range(8)}
+    for i in range(8):  # more requests over time than slots: slots must be recycled
+        st.sync([f"r{i}"], extra.get)
+        st.prepare_step([f"r{i}"], np.array([0, 3]), np.array([0]), np.array([3]))
+        assert torch.equal(_delta(st, 0, 3), (float(i + 1) * st.vectors["a"]).expand(3, H))
+    st.sync([], extra.get)
+    st.prepare_step([], np.array([0]), np.array([]), np.array([]))
+    assert int(st.index.abs().sum()) == 0
+    assert st.info()["live_steered"] == 0
+
+
+def test_reset_zeroes_index_for_dummy_runs():
+    st = _state()
+    st.sync(["r"], {"r": _spec(("a", 3, 1.0, "all"))}.get)
+    st.prepare_step(["r"], np.array([0, 5]), np.array([0]), np.array([5]))
+    assert int(st.index[3].abs().sum()) > 0
+    st.reset()
+    assert int(st.index.abs().sum()) == 0
+
+
+def test_ranks_derive_identical_buffers_without_communication():
+    """Tensor-parallel ranks see the same scheduler output; each must compute the same rows."""
+    ranks = [_state(), _state()]
+    extra = {
+        "x": _spec(("a", 1, 1.5, "all")),
+        "y": None,
+        "z": _spec(("b", 2, 2.0, "generated"), ("a", 2, 1.0, "all")),
+    }
+    steps = [
+        (["x", "y", "z"], [0, 3, 5, 9], [0, 0, 0], [3, 2, 4]),
+        (["x", "y", "z"], [0, 1, 2, 3], [3, 2, 4], [3, 2, 4]),
+        (["z", "x"], [0, 1, 2], [5, 4], [4, 3]),
+    ]
+    for live, qsl, comp, plen in steps:
+        for st in ranks:
+            st.sync(live, extra.get)
+            st.prepare_step(live, np.array(qsl), np.array(comp), np.array(plen))
+        assert torch.equal(ranks[0].index, ranks[1].index)
+        assert torch.equal(ranks[0].pool, ranks[1].pool)
+
+
+def test_unregistered_vector_in_worker_fails_loudly():
+    st = _state()
+    with pytest.raises(RuntimeError, match="not registered in the worker"):
+        st.sync(["r"], {"r": _spec(("missing", 0, 1.0, "all"))}.get)
