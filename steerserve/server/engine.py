@@ -40,7 +40,7 @@ class ServingEngine:
         self.admission = Admission(cfg, self.shape)
         self.llm: Any = None
         self.tokenizer: Any = None
-        self._build: asyncio.Future[Any] | None = None
+        self._build: asyncio.Future[list[Any]] | None = None
         self._closing = False
         self._register_lock = asyncio.Lock()
 
@@ -52,16 +52,19 @@ class ServingEngine:
     def ready(self) -> bool:
         return self.llm is not None and not self.llm.errored
 
-    def _make(self) -> Any:
+    def _make(self) -> list[Any]:
+        """The engine in a box: thread-pool futures and frames keep their result alive, and an
+        AsyncLLM collected at interpreter exit fails in ``__del__``; shutdown empties the box."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.cfg, self.shape)))
+        return [AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.cfg, self.shape)))]
 
     async def start(self) -> None:
         """Build the engine in a worker thread (seconds to minutes) so /health answers meanwhile."""
         self._build = asyncio.get_running_loop().run_in_executor(None, self._make)
-        llm = await asyncio.shield(self._build)
+        box = await asyncio.shield(self._build)
+        llm = box[0]
         if self._closing:
             llm.shutdown()
             raise RuntimeError("shut down while the engine was loading")
@@ -141,11 +144,17 @@ class ServingEngine:
         llm = self.llm
         if llm is None and self._build is not None:
             try:
-                llm = await self._build
+                llm = (await self._build)[0]
             except Exception:  # the build failed: nothing to shut down
                 llm = None
         self.llm = None
+        if self._build is not None and self._build.done() and not self._build.exception():
+            self._build.result().clear()
+        self._build = None
         if llm is not None:
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # stop reading outputs first: no "engine dead" noise
+                handler.cancel()
             await asyncio.to_thread(llm.shutdown)
 
 

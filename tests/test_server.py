@@ -1,0 +1,723 @@
+"""The OpenAI-compatible server over real HTTP: one uvicorn server (in a thread) on a tiny Llama with
+a tiny two-intervention artifact, reached with the official ``openai`` client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+EN = "What is the capital city of France? Please answer briefly."
+FR = "Quelle est la capitale de la France ? Réponds brièvement, s'il te plaît."
+DE = "Was ist die Hauptstadt von Frankreich? Bitte antworte kurz."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_artifact(root: Path, model: Path, version: str, seed: int = 0) -> Path:
+    """A two-intervention artifact for ``model`` (random directions, large enough to change
+    greedy answers of the tiny model)."""
+    from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    manifest = Manifest(
+        name="tiny",
+        version=version,
+        model=binding_for_model(model),
+        interventions=[
+            Intervention(
+                name="recall",
+                tensor="recall",
+                layer=1,
+                scale=4.0,
+                positions="last_prompt_and_generated",
+            ),
+            Intervention(
+                name="translation", tensor="translation", layer=2, scale=2.0, positions="generated"
+            ),
+        ],
+    )
+    tensors = {k: torch.randn(hidden, generator=g) for k in ("recall", "translation")}
+    path = root / "tiny" / version
+    save_artifact(path, manifest, tensors)
+    return path
+
+
+class Server:
+    """uvicorn serving ``create_app`` in a background thread, on a free loopback port."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/ready", timeout=5)
+                if r.status_code == 200:
+                    return
+                if r.json().get("status") == "failed":
+                    raise RuntimeError(r.text)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError("server not ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def vectors_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    root = tmp_path_factory.mktemp("vectors")
+    make_artifact(root, tiny_llama, "v1", seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, vectors_dir: Path) -> Iterator[Server]:
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
+    app = create_app(
+        ServerSettings(engine=cfg, vectors_dir=str(vectors_dir), api_key=KEY, steering="auto")
+    )
+    srv = Server(app)
+    srv.start()
+    yield srv
+    srv.stop()
+    assert not srv.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+MODEL = "llama"  # the served name: the model folder's name
+
+
+def chat_body(content: str = EN, **kw: Any) -> dict[str, Any]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return {**body, **kw}
+
+
+def chat(http: httpx.Client, content: str = EN, **kw: Any) -> dict[str, Any]:
+    r = http.post("/v1/chat/completions", json=chat_body(content, **kw))
+    assert r.status_code == 200, r.text
+    assert r.headers["x-steerserve-steering"] == _header(r.json()["steering"])
+    return r.json()
+
+
+def _header(steering: dict[str, Any]) -> str:
+    if not steering["applied"]:
+        return "off"
+    return json.dumps({k: v for k, v in steering.items() if v is not None}, separators=(",", ":"))
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample over series matching ``labels``."""
+    total = 0.0
+    for line in http.get("/metrics").text.splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+# --- ops endpoints, models, auth ----------------------------------------------------------------
+
+
+def test_health_ready_models(server: Server, http: httpx.Client) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/ready").json()["status"] == "ready"
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 512
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions/ab"),
+        ("GET", "/v1/steering/vectors"),
+        ("POST", "/v1/steering/vectors"),
+    ],
+)
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Basic " + KEY, KEY])
+def test_auth_required(server: Server, method: str, path: str, auth: str | None) -> None:
+    headers = {} if auth is None else {"Authorization": auth}
+    r = httpx.request(method, server.url + path, headers=headers, json={"name": "tiny"})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_ops_endpoints_need_no_key(server: Server) -> None:
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200
+    assert "steerserve_queue_depth" in httpx.get(server.url + "/metrics").text
+
+
+def test_openai_client_auth(server: Server) -> None:
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# --- chat and completions -----------------------------------------------------------------------
+
+
+def test_chat_openai_client(oai: openai.OpenAI) -> None:
+    raw = oai.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": EN}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"steering": True, "ignore_eos": True},
+    )
+    resp = raw.parse()
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert isinstance(resp.choices[0].message.content, str)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 6
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
+    steering = resp.model_extra["steering"]
+    assert steering["applied"] is True and steering["policy"] == "on"
+    names = [(i["name"], i["layer"], i["scale"]) for i in steering["interventions"]]
+    assert names == [("recall", 1, 4.0), ("translation", 2, 2.0)]
+    assert all(
+        len(i["sha256"]) == 12 and i["artifact"] == "tiny" for i in steering["interventions"]
+    )
+    assert json.loads(raw.headers["x-steerserve-steering"])["applied"] is True
+
+
+def test_chat_stream_equals_non_stream(oai: openai.OpenAI, http: httpx.Client) -> None:
+    for steering in (False, True):
+        full = chat(http, EN, steering=steering, max_tokens=10)
+        stream = oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": EN}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"steering": steering, "ignore_eos": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full["choices"][0]["message"]["content"]
+        assert chunks[0].model_extra["steering"]["applied"] is steering
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finish[-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 10
+        assert chunks[-1].usage.prompt_tokens == full["usage"]["prompt_tokens"]
+
+
+def test_sse_framing_httpx(http: httpx.Client) -> None:
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-steerserve-steering"] == "off"  # English under "auto"
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for ev in events[:-2]:
+        assert ev.startswith("data: ")
+        assert json.loads(ev[6:])["object"] == "chat.completion.chunk"
+
+
+def test_completions_openai_and_stream(oai: openai.OpenAI, http: httpx.Client) -> None:
+    resp = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=7, temperature=0, logprobs=2
+    )
+    c = resp.choices[0]
+    assert resp.object == "text_completion" and resp.usage.completion_tokens <= 7
+    assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == resp.usage.completion_tokens
+    assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert resp.model_extra["steering"]["detected_language"] == "en"
+    text = ""
+    for chunk in oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=7, temperature=0, stream=True
+    ):
+        text += "".join(ch.text for ch in chunk.choices)
+    assert text == c.text
+
+
+def test_completions_batch_n_seed_stop_echo(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": ["abc", "xyz"], "max_tokens": 5, "n": 2}
+    body |= {"temperature": 1.0, "seed": 7, "ignore_eos": True, "steering": False}
+    a = http.post("/v1/completions", json=body).json()
+    b = http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded
+    assert a["usage"]["completion_tokens"] == 20
+    assert a["usage"]["prompt_tokens"] == 2 * 4  # <bos> + 3 bytes each
+    streamed: dict[int, str] = {}
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+    assert [streamed[i] for i in range(4)] == [c["text"] for c in a["choices"]]
+    # stop: generation ends before the stop string, which is not returned
+    full = http.post("/v1/completions", json=body | {"n": 1, "prompt": "abc"}).json()
+    text = full["choices"][0]["text"]
+    stop = text[2:4]
+    if stop.strip() and "\ufffd" not in stop:
+        cut = http.post("/v1/completions", json=body | {"n": 1, "prompt": "abc", "stop": [stop]})
+        assert cut.json()["choices"][0]["text"] == text[: text.index(stop)]
+        assert cut.json()["choices"][0]["finish_reason"] == "stop"
+    echo = http.post("/v1/completions", json=body | {"n": 1, "prompt": "abc", "echo": True})
+    assert echo.json()["choices"][0]["text"] == "abc" + text
+
+
+def test_chat_logprobs(http: httpx.Client) -> None:
+    r = chat(http, EN, logprobs=True, top_logprobs=3, steering=False)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8
+    for tok in content:
+        assert len(tok["top_logprobs"]) == 3
+        assert tok["top_logprobs"][0]["logprob"] >= tok["top_logprobs"][-1]["logprob"]
+        assert tok["logprob"] == pytest.approx(tok["top_logprobs"][0]["logprob"])  # greedy
+
+
+# --- steering -----------------------------------------------------------------------------------
+
+
+def test_steering_modes(http: httpx.Client) -> None:
+    off_en, on_en = chat(http, EN, steering=False), chat(http, EN, steering=True)
+    off_fr, on_fr = chat(http, FR, steering=False), chat(http, FR, steering=True)
+    assert off_en["steering"] == {
+        "applied": False,
+        "policy": "off",
+        "interventions": [],
+        "detected_language": None,
+    }
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    assert text(off_en) != text(on_en) and text(off_fr) != text(on_fr)
+    # auto (explicit, and the server default when absent): English off, French and German on
+    for steering in ("auto", None):
+        kw = {} if steering is None else {"steering": steering}
+        a_en, a_fr, a_de = chat(http, EN, **kw), chat(http, FR, **kw), chat(http, DE, **kw)
+        assert (a_en["steering"]["applied"], a_en["steering"]["detected_language"]) == (False, "en")
+        assert (a_fr["steering"]["applied"], a_fr["steering"]["detected_language"]) == (True, "fr")
+        assert a_de["steering"]["detected_language"] == "de" and a_de["steering"]["applied"]
+        assert text(a_en) == text(off_en) and text(a_fr) == text(on_fr)
+        assert a_fr["steering"]["interventions"] == on_fr["steering"]["interventions"]
+
+
+def test_steering_object_forms(http: httpx.Client) -> None:
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    on = chat(http, EN, steering=True)
+    ones = chat(http, EN, steering={"interventions": {"recall": 1.0, "translation": 1.0}})
+    assert text(ones) == text(on) and ones["steering"]["policy"] == "interventions"
+    half = chat(http, EN, steering={"interventions": {"recall": 0.5}})
+    [iv] = half["steering"]["interventions"]
+    assert (iv["name"], iv["scale"], iv["layer"]) == ("recall", 2.0, 1)
+    explicit = chat(
+        http,
+        EN,
+        steering={
+            "entries": [
+                {
+                    "vector": "tiny/v1/recall",
+                    "layer": 1,
+                    "scale": 2.0,
+                    "positions": "last_prompt_and_generated",
+                }
+            ]
+        },
+    )
+    assert text(explicit) == text(half)
+    assert explicit["steering"]["interventions"][0]["artifact"] == "tiny"
+    assert explicit["steering"]["policy"] == "entries"
+    pinned = chat(http, EN, steering={"artifact": "tiny/v1"})
+    assert text(pinned) == text(on)
+
+
+def test_ab_endpoint(http: httpx.Client) -> None:
+    body = chat_body(FR, temperature=0.9, seed=1234, n=2)
+    r = http.post("/v1/chat/completions/ab", json=body)
+    assert r.status_code == 200, r.text
+    ab = r.json()
+    assert set(ab) == {"unsteered", "steered", "identical"}
+    assert ab["unsteered"]["steering"]["applied"] is False
+    assert ab["steered"]["steering"]["applied"] is True
+    assert ab["identical"] is False
+    assert json.loads(r.headers["x-steerserve-steering"])["applied"] is True
+    # each arm is the answer a plain request with the same seed gets
+    off = chat(http, FR, temperature=0.9, seed=1234, n=2, steering=False)
+    on = chat(http, FR, temperature=0.9, seed=1234, n=2, steering=True)
+    texts = lambda r: [c["message"]["content"] for c in r["choices"]]  # noqa: E731
+    assert texts(ab["unsteered"]) == texts(off)
+    assert texts(ab["steered"]) == texts(on)
+    # English under the default "auto" is still steered in the B arm; scale 0 is identical
+    en = http.post("/v1/chat/completions/ab", json=chat_body(EN)).json()
+    assert en["steered"]["steering"]["applied"] and not en["identical"]
+    zero = {"interventions": {"recall": 0.0, "translation": 0.0}}
+    same = http.post("/v1/chat/completions/ab", json=chat_body(EN, steering=zero)).json()
+    assert same["identical"] is True
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+BAD: list[tuple[str, Any, int, str, str | None]] = [
+    ("malformed json", b'{"model": "llama", "messages": [', 400, "not valid JSON", None),
+    ("not an object", b"[1, 2]", 400, "must be a JSON object", None),
+    ("wrong type", {"temperature": "hot"}, 400, "temperature: ", "temperature"),
+    ("wrong message type", {"messages": [{"role": "user", "content": 3}]}, 400, "", None),
+    ("bad role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role", None),
+    ("no messages", {"messages": []}, 400, "messages", "messages"),
+    ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("temperature range", {"temperature": 3.5}, 400, "temperature", "temperature"),
+    ("misspelt steering", {"steerng": True}, 400, "unrecognized", "steerng"),
+    ("steering string", {"steering": "yes"}, 400, "steering", "steering"),
+    ("steering number", {"steering": 1}, 400, "steering", "steering"),
+    (
+        "unknown intervention",
+        {"steering": {"interventions": {"recal": 1.0}}},
+        400,
+        "unknown intervention",
+        "steering.interventions.recal",
+    ),
+    (
+        "scale out of bounds",
+        {"steering": {"interventions": {"recall": 1000}}},
+        400,
+        "outside",
+        "steering.interventions.recall",
+    ),
+    (
+        "multiplier type",
+        {"steering": {"interventions": {"recall": "big"}}},
+        400,
+        "finite number",
+        "steering.interventions.recall",
+    ),
+    (
+        "unknown steering field",
+        {"steering": {"interventions": {"recall": 1}, "layer": 3}},
+        400,
+        "unknown field",
+        "steering.layer",
+    ),
+    (
+        "entry layer",
+        {"steering": {"entries": [{"vector": "tiny/v1/recall", "layer": 40, "scale": 1}]}},
+        400,
+        "out of range 0..3",
+        "steering.entries[0].layer",
+    ),
+    (
+        "entry vector",
+        {"steering": {"entries": [{"vector": "nope", "layer": 1, "scale": 1}]}},
+        400,
+        "unknown vector",
+        "steering.entries[0].vector",
+    ),
+    (
+        "entry scale",
+        {"steering": {"entries": [{"vector": "tiny/v1/recall", "layer": 1, "scale": 1e9}]}},
+        400,
+        "outside",
+        "steering.entries[0].scale",
+    ),
+    (
+        "entry positions",
+        {"steering": {"entries": [{"vector": "tiny/v1/recall", "layer": 1, "positions": "x"}]}},
+        400,
+        "positions",
+        "steering.entries[0].positions",
+    ),
+    ("unknown artifact", {"steering": {"artifact": "other"}}, 400, "not loaded", None),
+    (
+        "prompt too long",
+        {"messages": [{"role": "user", "content": "x" * 600}]},
+        400,
+        "context",
+        None,
+    ),
+    ("prompt + max_tokens too long", {"max_tokens": 505}, 400, "maximum context", "max_tokens"),
+    ("unknown model", {"model": "gpt-4"}, 404, "does not exist", "model"),
+    (
+        "image content",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "text only",
+        None,
+    ),
+    ("greedy n", {"n": 3}, 400, "greedy", None),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(http: httpx.Client, case: tuple[str, Any, int, str, str | None]) -> None:
+    _, change, status, message, param = case
+    if isinstance(change, bytes):
+        r = http.post(
+            "/v1/chat/completions", content=change, headers={"content-type": "application/json"}
+        )
+    else:
+        r = http.post("/v1/chat/completions", json=chat_body() | change)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert message in err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_completions_and_ab(http: httpx.Client) -> None:
+    base = {"model": MODEL, "max_tokens": 4}
+    for change, msg in [
+        ({"prompt": [999999]}, "outside the vocabulary"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x" * 600}, "maximum context length"),
+    ]:
+        r = http.post("/v1/completions", json=base | change)
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions/ab", json=chat_body(steering=False))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "steering"
+    r = http.post("/v1/chat/completions/ab", json=chat_body(stream=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_oversized_body(http: httpx.Client) -> None:
+    big = chat_body("x" * (2 << 20))
+    r = http.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted while reading
+        yield b'{"model": "llama", "messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}]}'
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_unknown_route_is_openai_error(http: httpx.Client) -> None:
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# --- abort on disconnect, metrics ---------------------------------------------------------------
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
+    engine = server.app.state.steer.engine
+    before_499 = metric(http, "steerserve_requests_total", endpoint="chat", status="499")
+    before_tok = metric(http, "steerserve_tokens_total", arm="unsteered", kind="completion")
+    body = chat_body("hi", stream=True, max_tokens=450, steering=False)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 3:
+                    break
+            assert engine.in_flight() == 1
+    t0 = time.monotonic()
+    assert _wait(lambda: engine.in_flight() == 0, 5), "generation still running"
+    took = time.monotonic() - t0
+    assert _wait(
+        lambda: (
+            metric(http, "steerserve_requests_total", endpoint="chat", status="499")
+            == before_499 + 1
+        )
+    )
+    generated = metric(http, "steerserve_tokens_total", arm="unsteered", kind="completion")
+    assert 0 < generated - before_tok < 450, (generated - before_tok, took)
+    assert metric(http, "steerserve_queue_depth") == 0
+
+
+def test_non_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
+    engine = server.app.state.steer.engine
+    before = metric(http, "steerserve_requests_total", endpoint="completions", status="499")
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+    assert _wait(lambda: engine.in_flight() == 0, 5)
+    assert _wait(
+        lambda: (
+            metric(http, "steerserve_requests_total", endpoint="completions", status="499")
+            == before + 1
+        )
+    )
+
+
+def test_metrics_move(http: httpx.Client) -> None:
+    def snap() -> tuple[float, ...]:
+        return (
+            metric(http, "steerserve_requests_total", endpoint="chat", arm="steered", status="200"),
+            metric(
+                http, "steerserve_requests_total", endpoint="chat", arm="unsteered", status="200"
+            ),
+            metric(http, "steerserve_requests_total", endpoint="chat", status="400"),
+            metric(http, "steerserve_tokens_total", arm="steered", kind="completion"),
+            metric(http, "steerserve_tokens_total", arm="steered", kind="prompt"),
+            metric(
+                http, "steerserve_request_latency_seconds_count", endpoint="chat", arm="steered"
+            ),
+        )
+
+    before = snap()
+    r = chat(http, FR, steering=True, max_tokens=5)
+    chat(http, EN, steering=False, max_tokens=5)
+    http.post("/v1/chat/completions", json=chat_body(temperature="hot"))
+    after = snap()
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1 and after[2] == before[2] + 1
+    assert after[3] == before[3] + 5
+    assert after[4] == before[4] + r["usage"]["prompt_tokens"]
+    assert after[5] == before[5] + 1
+    assert metric(http, "steerserve_queue_depth") == 0
+
+
+# --- isolation under concurrency ----------------------------------------------------------------
+
+MIX: list[Any] = [
+    False,
+    True,
+    "auto",
+    {"interventions": {"recall": 0.5}},
+    {"interventions": {"translation": -1.5}},
+    {"entries": [{"vector": "tiny/v1/translation", "layer": 0, "scale": 3.0}]},
+]
+PROMPTS = [EN, FR, DE, "Hauptstadt?", "日本の首都はどこですか", "abc def ghi", "Capital of Peru?"]
+
+
+def _requests() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for i in range(32):
+        steering, prompt = MIX[i % len(MIX)], PROMPTS[i % len(PROMPTS)]
+        kw = {"max_tokens": 6 + i % 5, "steering": steering}
+        if i % 2:
+            out.append(("/v1/chat/completions", chat_body(prompt, logprobs=True, **kw)))
+        else:
+            body = {"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+            out.append(("/v1/completions", body | {"logprobs": 0, **kw}))
+    return out
+
+
+def _answer(r: httpx.Response) -> tuple[Any, ...]:
+    assert r.status_code == 200, r.text
+    j = r.json()
+    c = j["choices"][0]
+    if "message" in c:
+        lps = [t["logprob"] for t in c["logprobs"]["content"]]
+        return c["message"]["content"], j["steering"]["applied"], lps
+    return c["text"], j["steering"]["applied"], c["logprobs"]["token_logprobs"]
+
+
+def test_concurrent_mixed_requests_equal_solo(http: httpx.Client, server: Server) -> None:
+    reqs = _requests()
+    solo = [_answer(http.post(path, json=body)) for path, body in reqs]
+    assert {s[1] for s in solo} == {True, False}
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=120, limits=limits
+        ) as c:
+            return await asyncio.gather(*(c.post(p, json=b) for p, b in reqs))
+
+    together = [_answer(r) for r in asyncio.run(burst())]
+    for i, (a, b) in enumerate(zip(solo, together, strict=True)):
+        assert a[:2] == b[:2], (i, reqs[i], a, b)
+        assert a[2] == pytest.approx(b[2], abs=1e-3), i
+
+
+# --- steering vectors (admin) -------------------------------------------------------------------
+
+
+def test_vectors_list_and_load(http: httpx.Client, vectors_dir: Path, tiny_llama: Path) -> None:
+    listing = http.get("/v1/steering/vectors").json()
+    assert listing["default"] == "tiny/v1"
+    [art] = listing["data"]
+    assert art["interventions"] == ["recall", "translation"]
+    assert art["manifest"]["interventions"][0]["sha256"]
+    for name in ("../tiny", "/etc/passwd", "tiny/../../x", "tiny/v1/recall", "a b", ""):
+        r = http.post("/v1/steering/vectors", json={"name": name})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name", name
+    r = http.post("/v1/steering/vectors", json={"name": "tiny/v9"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "artifact_not_found"
+    r = http.post("/v1/steering/vectors", json={"path": str(vectors_dir)})
+    assert r.status_code == 400
+    # a new version appears on disk: load it at run time and make it the default
+    make_artifact(vectors_dir, tiny_llama, "v2", seed=5)
+    r = http.post("/v1/steering/vectors", json={"name": "tiny/v2", "default": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["loaded"] == "tiny/v2" and r.json()["default"] == "tiny/v2"
+    try:
+        on = chat(http, EN, steering=True)
+        assert {i["version"] for i in on["steering"]["interventions"]} == {"v2"}
+        pinned = chat(http, EN, steering={"artifact": "tiny/v1"})
+        assert {i["version"] for i in pinned["steering"]["interventions"]} == {"v1"}
+        latest = chat(http, EN, steering={"artifact": "tiny"})  # a name alone: its latest
+        assert {i["version"] for i in latest["steering"]["interventions"]} == {"v2"}
+    finally:
+        r = http.post("/v1/steering/vectors", json={"name": "tiny/v1", "default": True})
+        assert r.status_code == 200 and r.json()["default"] == "tiny/v1"
