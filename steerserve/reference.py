@@ -101,7 +101,8 @@ def greedy(
         for _ in range(max_new_tokens):
             ph = phases(len(ids), p)
             ctx["masks"] = torch.stack([ph == k for k in range(3)]).unsqueeze(1)
-            logits = model(torch.tensor([ids])).logits[0, -1].to(torch.float32)
+            inp = torch.tensor([ids], device=next(model.parameters()).device)
+            logits = model(inp).logits[0, -1].to(torch.float32)
             lp = torch.log_softmax(logits, -1)
             tok = int(lp.argmax())
             out.append(tok)
