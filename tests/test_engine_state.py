@@ -137,3 +137,36 @@ def test_unregistered_vector_in_worker_fails_loudly():
     st = _state()
     with pytest.raises(RuntimeError, match="not registered in the worker"):
         st.sync(["r"], {"r": _spec(("missing", 0, 1.0, "all"))}.get)
+
+
+def test_model_runner_v2_seam_host_logic():
+    """The MRV2 ModelState subclass drives the same state from vLLM's V2 batch objects (GPU only
+    at run time; here its host logic, fed objects with the V2 InputBatch/RequestState fields)."""
+    from types import SimpleNamespace as NS
+
+    from steerserve.engine.runner import steering_model_state_cls
+
+    cls = steering_model_state_cls()
+    ms = cls.__new__(cls)  # the real __init__ needs a GPU runner
+    ms.rope_state = ms.prompt_embeds_state = None
+    ms.supports_mm_inputs = False
+    ms._steer = st = _state()
+    new = NS(req_id="s", sampling_params=NS(extra_args=_spec(("a", 1, 2.0, "all"))))
+    ms.add_request(3, new)
+    ms.add_request(0, NS(req_id="u", sampling_params=NS(extra_args=None)))
+    batch = NS(
+        num_reqs=2,
+        req_ids=["u", "s"],
+        idx_mapping_np=np.array([0, 3]),
+        query_start_loc_np=np.array([0, 1, 4]),
+        num_computed_tokens_np=np.array([5, 0]),
+    )
+    req_states = NS(prompt_len=NS(np=np.array([2, 0, 0, 3])))
+    assert ms.prepare_inputs(batch, req_states) == {}
+    d = _delta(st, 1, 4)
+    assert torch.equal(d[0], torch.zeros(H))
+    assert torch.equal(d[1:], (2.0 * st.vectors["a"]).expand(3, H))
+    ms.prepare_dummy_inputs(4, 4)
+    assert int(st.index.abs().sum()) == 0
+    ms.remove_request("s")
+    assert st.info()["live_steered"] == 0

@@ -108,7 +108,7 @@ def steering_model_state_cls() -> type:
             self._steer.prepare_step(
                 input_batch.req_ids[:n],
                 input_batch.query_start_loc_np[: n + 1],
-                req_states.num_computed_tokens_np[idx],
+                input_batch.num_computed_tokens_np[:n],
                 req_states.prompt_len.np[idx],
             )
             return out
