@@ -277,5 +277,232 @@ def vectors_verify(
         raise typer.Exit(1)
 
 
+# --- extract / calibrate / eval: the two interventions, calibrated and evaluated --------------
+
+_MODEL_HELP = "Local HF checkpoint folder, or 'default' (the embedded Gemma 3 270M)."
+_ENGINE_DTYPE_HELP = "vLLM dtype: auto, float32, bfloat16 or float16."
+_KV_HELP = "vLLM KV cache bytes (CPU needs one); 0 lets vLLM size it on a GPU."
+_THREADS_HELP = "CPU cores for vLLM's threads, e.g. '0' or '0-1' (CPU only; default: vLLM's)."
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+@app.command()
+def extract(
+    out: Path = typer.Option(
+        Path("out/candidates.safetensors"), help="Candidates file (.safetensors + .json sidecar)."
+    ),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
+    dtype: str = typer.Option("float32", help="torch dtype: float32, bfloat16 or float16."),
+    per_lang: int = typer.Option(16, help="Train facts per language (relations interleaved)."),
+    recall_shots: int = typer.Option(5, help="Demonstrations in the recall task-vector prompts."),
+    translation_shots: int = typer.Option(3, help="Demonstrations in the translation prompts."),
+    batch_size: int = typer.Option(16, help="Prompts per forward pass."),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
+    seed: int = typer.Option(0, help="Seed of the demonstration choice."),
+    langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
+) -> None:
+    """Extract per-layer candidate recall and translation vectors (all layers, last token)."""
+    import json
+    import time
+
+    import torch
+
+    from steerserve.extract import ExtractConfig, load_model, summary
+    from steerserve.extract import extract as run_extract
+
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    mdl, tok = load_model(model, device=device, dtype=dtype)
+    cfg = ExtractConfig(
+        per_lang=per_lang,
+        recall_shots=recall_shots,
+        translation_shots=translation_shots,
+        seed=seed,
+        batch_size=batch_size,
+        langs=_facts_langs() if langs == "all" else _strs(langs),
+    )
+    cands = run_extract(mdl, tok, cfg)
+    cands.meta.update(
+        model=str(model), device=device, dtype=dtype, total_seconds=time.perf_counter() - t0
+    )
+    cands.save(out)
+    typer.echo(f"wrote {out} ({len(cands.names)} candidates, {cands.meta['seconds']} s)")
+    for row in summary(cands):
+        typer.echo(json.dumps(row))
+
+
+@app.command()
+def calibrate(
+    candidates: Path = typer.Option(
+        Path("out/candidates.safetensors"), help="Output of 'steerserve extract'."
+    ),
+    out: Path = typer.Option(
+        Path("vectors/gemma-3-270m/v1"), help="Artifact directory to write (NAME/VERSION)."
+    ),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    per_lang: int = typer.Option(10, help="Calibration facts per non-English language."),
+    en_items: int = typer.Option(30, help="English calibration facts (the <=1 pt guard)."),
+    shots: int = typer.Option(3, help="Demonstrations in the calibration prompts."),
+    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (stops at newline)."),
+    variants: str = typer.Option(
+        "recall.native.diff,recall.mixed.diff,recall.en.diff", help="Recall candidates to sweep."
+    ),
+    recall_layers: str = typer.Option("", help="e.g. 4,6,8,10 (default: scaled to the depth)."),
+    recall_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    translation_layers: str = typer.Option("", help="e.g. 12,14,15,16 (default: scaled)."),
+    translation_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    positions: str = typer.Option(
+        "last_prompt_and_generated", help="First is swept; others tried on the winner."
+    ),
+    top_k: int = typer.Option(3, help="Best of each vector carried into the joint stage."),
+    fine: str = typer.Option("0.5,1.5", help="Scale factors tried around the joint winner."),
+    max_en_drop: float = typer.Option(0.01, help="Allowed English accuracy drop (0..1)."),
+    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
+    kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
+    max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
+    cpu_threads: str = typer.Option("", help=_THREADS_HELP),
+    overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
+    summary_dir: Path = typer.Option(
+        Path("docs/results"), help="Where calibration.md / calibration.json go."
+    ),
+) -> None:
+    """Sweep layer x scale x variant jointly on the calibration split; save the artifact."""
+    import time
+
+    from steerserve import calibrate as cal
+    from steerserve.evaluate import open_engine
+    from steerserve.extract import Candidates
+
+    t0 = time.perf_counter()
+    model_dir = _resolve_model(model)
+    cands = Candidates.load(candidates)
+    n_layers = int(cands.meta["num_layers"])
+    kw: dict = dict(
+        recall_variants=_strs(variants),
+        recall_scales=_floats(recall_scales),
+        translation_scales=_floats(translation_scales),
+        positions=_strs(positions),
+        top_k=top_k,
+        fine_factors=_floats(fine),
+        max_en_drop=max_en_drop,
+    )
+    if recall_layers:
+        kw["recall_layers"] = _ints(recall_layers)
+    if translation_layers:
+        kw["translation_layers"] = _ints(translation_layers)
+    grid = cal.Grid.for_layers(n_layers, **kw)
+    records = cal.calib_records(per_lang, en_items, shots)
+    eng = open_engine(
+        model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
+    )
+    t_engine = time.perf_counter() - t0
+    try:
+        result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
+    finally:
+        eng.shutdown()
+    result["timings_s"] = {
+        "extract": cands.meta.get("total_seconds"),
+        "engine_start": round(t_engine, 1),
+        "sweep": result["seconds"],
+        "total_calibrate": round(time.perf_counter() - t0, 1),
+    }
+    name, version = out.parent.name, out.name
+    art = cal.build_artifact(cands, result, model_dir, out, name, version, overwrite=overwrite)
+    cal.write_summary(result, summary_dir)
+    w = result["chosen"]
+    typer.echo(f"wrote {art.path}: chosen {w['recall']} + {w['translation']}")
+    typer.echo(f"calib non-English {w['non_en']:.3f} (baseline {result['baseline']['non_en']:.3f})")
+
+
+@app.command("eval")
+def eval_cmd(
+    artifact: Path = typer.Option(
+        Path("vectors/gemma-3-270m/v1"), help="Artifact directory (manifest + tensors)."
+    ),
+    out: Path = typer.Option(Path("out/eval"), help="Writes report.json, report.md, accuracy.png."),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    dataset: Path | None = typer.Option(
+        None, help="JSONL {id, lang, prompt, answers, answers_en?}; default: built-in test split."
+    ),
+    arms: str = typer.Option(
+        "baseline,recall,translation,both,random", help="Comma-separated arms."
+    ),
+    limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
+    shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
+    split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
+    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (stops at newline)."),
+    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
+    kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
+    max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
+    cpu_threads: str = typer.Option("", help=_THREADS_HELP),
+) -> None:
+    """Evaluate arms baseline/recall/translation/both/random through the vLLM engine."""
+    import time
+
+    from steerserve import evaluate as ev
+    from steerserve.artifacts import ArtifactError, load_artifact
+    from steerserve.facts import eval_records
+
+    t0 = time.perf_counter()
+    model_dir = _resolve_model(model)
+    try:
+        art = load_artifact(artifact, model_dir=model_dir)
+    except ArtifactError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    if dataset is not None:
+        records = ev.read_dataset(dataset)
+    else:
+        records = eval_records(split, shots=shots, limit_per_lang=limit_per_lang or None)
+    eng = ev.open_engine(
+        model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
+    )
+    t_engine = time.perf_counter() - t0
+    try:
+        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens)
+    finally:
+        eng.shutdown()
+    m = art.manifest
+    meta = {
+        "model": str(model_dir.name),
+        "artifact": f"{m.name}/{m.version}",
+        "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
+        "n_items": len(records),
+        "interventions": {
+            iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
+            for iv in m.interventions
+        },
+        "timings_s": {
+            "engine_start": round(t_engine, 1),
+            **times,
+            "total": round(time.perf_counter() - t0, 1),
+        },
+    }
+    report = ev.build_report(records, results, meta)
+    ev.write_report(report, out)
+    for arm, a in report["arms"].items():
+        typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
+    typer.echo(f"wrote {out}/report.json, report.md, accuracy.png")
+
+
+def _facts_langs() -> tuple[str, ...]:
+    from steerserve.facts import LANGS
+
+    return LANGS
+
+
 def main() -> None:
     app()

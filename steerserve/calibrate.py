@@ -1,0 +1,388 @@
+"""Joint calibration of the recall and translation vectors through the vLLM engine.
+
+The paper leaves layer, scale, positions and the recall variant open, and the method note records
+that naive single-vector shortcuts fail, so we sweep on the calibration split (never train, never
+test): each vector alone (coarse), then the top few of each jointly, then a finer scale grid
+around the best joint pair. Objective: mean non-English accuracy, subject to English accuracy
+falling by at most ``max_en_drop`` against the unsteered baseline.
+
+Vectors are unit directions times the layer's mean residual norm, so ``scale`` is in units of
+the residual stream's size at that layer (recorded in the manifest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from steerserve.evaluate import Entry, score_all
+from steerserve.extract import NORM_KEY, Candidates, unit_scaled
+
+SHARE_SAFE = ("last_prompt_and_generated", "generated")
+
+
+@dataclass
+class Grid:
+    """The sweep; defaults are sized for an 18-layer model on a 2-core CPU (~30 configs)."""
+
+    recall_variants: tuple[str, ...] = ("recall.native.diff", "recall.mixed.diff", "recall.en.diff")
+    recall_layers: tuple[int, ...] = (4, 6, 8, 10)
+    recall_scales: tuple[float, ...] = (0.25, 0.5)
+    translation_layers: tuple[int, ...] = (12, 14, 15, 16)
+    translation_scales: tuple[float, ...] = (0.25, 0.5)
+    positions: tuple[str, ...] = ("last_prompt_and_generated",)
+    top_k: int = 3  # per vector, carried into the joint stage
+    fine_factors: tuple[float, ...] = (0.5, 1.5)
+    max_en_drop: float = 0.01
+
+    @classmethod
+    def for_layers(cls, num_layers: int, **kw: Any) -> Grid:
+        """Rescale the default layer choices (given for 18 layers) to another depth."""
+        if num_layers == 18:
+            return cls(**kw)
+
+        def f(ls: Sequence[int]) -> tuple[int, ...]:
+            return tuple(sorted({min(num_layers - 1, round(x * num_layers / 18)) for x in ls}))
+
+        base = cls()
+        kw.setdefault("recall_layers", f(base.recall_layers))
+        kw.setdefault("translation_layers", f(base.translation_layers))
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One intervention's placement: candidate variant, layer, scale (residual-norm units)."""
+
+    variant: str
+    layer: int
+    scale: float
+    positions: str = "last_prompt_and_generated"
+
+    @property
+    def vector(self) -> str:
+        return f"cand/{self.variant}/L{self.layer}"
+
+    def entry(self) -> Entry:
+        return {
+            "vector": self.vector,
+            "layer": self.layer,
+            "scale": self.scale,
+            "positions": self.positions,
+        }
+
+
+@dataclass
+class Row:
+    stage: str
+    recall: Setting | None
+    translation: Setting | None
+    non_en: float = 0.0
+    en: float = 0.0
+    english_rate: float = 0.0
+    recall_any: float = 0.0
+    per_lang: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {
+            "stage": self.stage,
+            "recall": dataclasses.asdict(self.recall) if self.recall else None,
+            "translation": dataclasses.asdict(self.translation) if self.translation else None,
+        }
+        d.update(
+            non_en=round(self.non_en, 4),
+            en=round(self.en, 4),
+            english_rate=round(self.english_rate, 4),
+            recall_any=round(self.recall_any, 4),
+            per_lang={k: round(v, 4) for k, v in self.per_lang.items()},
+            seconds=round(self.seconds, 1),
+        )
+        return d
+
+
+def submit(engine: Any, prompts: Sequence[str], steering: Sequence[list[Entry] | None], sp: Any):
+    """``engine.generate`` that lets steered requests reuse the unsteered prompt prefix KV.
+
+    The engine salts the prefix cache per steering config, which is required when prompt tokens
+    are steered (``positions="all"``). Entries that steer only the last prompt token and later
+    leave every earlier token's KV exactly as unsteered, and vLLM always recomputes the last
+    prompt token, so dropping the salt there is exact and makes a sweep ~5x cheaper.
+    """
+    from steerserve.engine.api import make_prompt, with_steering
+
+    prepared = [engine.admission.prepare(s) for s in steering]
+    reqs, sps = [], []
+    for p, pr in zip(prompts, prepared, strict=True):
+        if pr.steered and all(e.positions in SHARE_SAFE for e in pr.entries):
+            pr = dataclasses.replace(pr, cache_salt=None)
+        reqs.append(make_prompt(p, pr))
+        sps.append(with_steering(sp, pr))
+    return engine.llm.generate(reqs, sps, use_tqdm=False)
+
+
+def run_config(
+    engine: Any,
+    records: Sequence[dict],
+    entries: list[Entry] | None,
+    max_tokens: int = 8,
+    share_prefix: bool = True,
+) -> tuple[list[str], float]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
+    t0 = time.perf_counter()
+    prompts = [r["prompt"] for r in records]
+    steer = [entries] * len(prompts)
+    if share_prefix:
+        res = submit(engine, prompts, steer, sp)
+    else:
+        res = engine.generate(prompts, sp, steering=steer)
+    return [r.outputs[0].text for r in res], time.perf_counter() - t0
+
+
+def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:
+    r = score_all(records, texts)
+    acc: dict[str, list[float]] = {}
+    eng: dict[str, list[float]] = {}
+    rany: dict[str, list[float]] = {}
+    for rec, c, e, a in zip(records, r.correct, r.english, r.recall_any, strict=True):
+        acc.setdefault(rec["lang"], []).append(float(c))
+        eng.setdefault(rec["lang"], []).append(float(e))
+        rany.setdefault(rec["lang"], []).append(float(a))
+    row.per_lang = {k: sum(v) / len(v) for k, v in acc.items()}
+    ne = [k for k in acc if k != "en"]
+
+    def mean(d: dict[str, list[float]]) -> float:
+        return sum(sum(d[k]) / len(d[k]) for k in ne) / max(len(ne), 1)
+
+    row.non_en, row.english_rate, row.recall_any = mean(acc), mean(eng), mean(rany)
+    row.en = row.per_lang.get("en", 0.0)
+    return row
+
+
+class Sweep:
+    """Runs and remembers configs; registers each candidate vector once."""
+
+    def __init__(
+        self,
+        engine: Any,
+        cands: Candidates,
+        records: Sequence[dict],
+        max_tokens: int = 8,
+        log: Any = print,
+    ) -> None:
+        self.engine, self.cands, self.records = engine, cands, records
+        self.max_tokens = max_tokens
+        self.rows: list[Row] = []
+        self.log = log
+        self.seen: dict[tuple, Row] = {}
+
+    def register(self, s: Setting) -> None:
+        if s.vector not in self.engine.registry:
+            self.engine.register_vector(s.vector, unit_scaled(self.cands, s.variant, s.layer))
+
+    def run(self, stage: str, recall: Setting | None, translation: Setting | None) -> Row:
+        key = (recall, translation)
+        if key in self.seen:
+            return self.seen[key]
+        entries = []
+        for s in (recall, translation):
+            if s is not None:
+                self.register(s)
+                entries.append(s.entry())
+        texts, secs = run_config(self.engine, self.records, entries or None, self.max_tokens)
+        row = summarise(self.records, texts, Row(stage, recall, translation, seconds=secs))
+        self.rows.append(row)
+        self.seen[key] = row
+        self.log(
+            f"[{stage}] R={_fmt(recall)} T={_fmt(translation)}: non-en {row.non_en:.3f} "
+            f"en {row.en:.3f} en-rate {row.english_rate:.3f} any {row.recall_any:.3f} "
+            f"({secs:.0f}s)"
+        )
+        return row
+
+
+def _fmt(s: Setting | None) -> str:
+    if s is None:
+        return "-"
+    pos = "" if s.positions == "last_prompt_and_generated" else f"/{s.positions}"
+    return f"{s.variant.removeprefix('recall.')}@L{s.layer}x{s.scale:g}{pos}"
+
+
+def feasible(row: Row, base: Row, max_en_drop: float) -> bool:
+    return row.en >= base.en - max_en_drop - 1e-9
+
+
+def best(rows: Sequence[Row], base: Row, max_en_drop: float, k: int = 1) -> list[Row]:
+    """Top ``k`` feasible rows by non-English accuracy (ties: fewer English answers)."""
+    ok = [r for r in rows if feasible(r, base, max_en_drop)]
+    return sorted(ok, key=lambda r: (-r.non_en, r.english_rate, -r.recall_any))[:k]
+
+
+def calibrate(
+    engine: Any,
+    cands: Candidates,
+    records: Sequence[dict],
+    grid: Grid,
+    max_tokens: int = 8,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Coarse marginal sweeps, a joint stage over the top-k of each, a fine scale stage."""
+    t0 = time.perf_counter()
+    sw = Sweep(engine, cands, records, max_tokens, log)
+    base = sw.run("baseline", None, None)
+    pos0 = grid.positions[0]
+    rec_rows = [
+        sw.run("recall", Setting(v, layer, s, pos0), None)
+        for v in grid.recall_variants
+        for layer in grid.recall_layers
+        for s in grid.recall_scales
+    ]
+    tr_rows = [
+        sw.run("translation", None, Setting("translation", layer, s, pos0))
+        for layer in grid.translation_layers
+        for s in grid.translation_scales
+    ]
+    # Joint: the marginal winners may not be the best pair (the note's warning), so all pairs
+    # of the top-k by non-English accuracy, whatever their English cost alone.
+    top_r = sorted(rec_rows, key=lambda r: -r.non_en)[: grid.top_k]
+    top_t = sorted(tr_rows, key=lambda r: -r.non_en)[: grid.top_k]
+    joint = [sw.run("joint", a.recall, b.translation) for a in top_r for b in top_t]
+    # Fine: scale each vector of the best feasible joint row up and down, other positions.
+    cur = (best(joint, base, grid.max_en_drop) or sorted(joint, key=lambda r: -r.non_en))[0]
+    for f in grid.fine_factors:
+        assert cur.recall and cur.translation
+        r2 = dataclasses.replace(cur.recall, scale=round(cur.recall.scale * f, 4))
+        t2 = dataclasses.replace(cur.translation, scale=round(cur.translation.scale * f, 4))
+        sw.run("fine", r2, cur.translation)
+        sw.run("fine", cur.recall, t2)
+    for pos in grid.positions[1:]:
+        assert cur.recall and cur.translation
+        sw.run(
+            "positions",
+            dataclasses.replace(cur.recall, positions=pos),
+            dataclasses.replace(cur.translation, positions=pos),
+        )
+    both_rows = [r for r in sw.rows if r.recall is not None and r.translation is not None]
+    winner = (best(both_rows, base, grid.max_en_drop) or [cur])[0]
+    return {
+        "objective": (
+            f"max mean non-English accuracy s.t. English accuracy >= baseline - "
+            f"{grid.max_en_drop:g} (calibration split)"
+        ),
+        "chosen": winner.as_dict(),
+        "baseline": base.as_dict(),
+        "feasible": feasible(winner, base, grid.max_en_drop),
+        "grid": dataclasses.asdict(grid),
+        "n_items": len(records),
+        "n_per_lang": {k: sum(r["lang"] == k for r in records) for k in winner.per_lang},
+        "scale_unit": "multiples of the layer's mean last-token residual norm (zero-shot prompts)",
+        "seconds": round(time.perf_counter() - t0, 1),
+        "sweep": [r.as_dict() for r in sw.rows],
+        "_winner": winner,
+    }
+
+
+def build_artifact(
+    cands: Candidates,
+    result: dict[str, Any],
+    model_dir: str | Path,
+    out_dir: str | Path,
+    name: str,
+    version: str,
+    overwrite: bool = False,
+    extra_provenance: dict[str, Any] | None = None,
+) -> Any:
+    """Save the winner as ``recall`` + ``translation`` interventions, the sweep in each manifest
+    entry's ``calibration`` (the joint choice is one decision, so both carry it)."""
+    from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
+
+    winner: Row = result["_winner"]
+    cal = {k: v for k, v in result.items() if not k.startswith("_")}
+    ivs, tensors = [], {}
+    for iv_name, s in (("recall", winner.recall), ("translation", winner.translation)):
+        assert s is not None
+        tensors[iv_name] = unit_scaled(cands, s.variant, s.layer)
+        prov = {
+            "variant": s.variant,
+            "definition": cands.meta.get("definitions", {}),
+            "extraction": {k: cands.meta.get(k) for k in ("config", "groups", "fact_split")},
+            "layer_resid_norm": float(cands.tensors[NORM_KEY][s.layer]),
+            "vector_norm": "unit direction x layer_resid_norm; scale in residual-norm units",
+            **(extra_provenance or {}),
+        }
+        ivs.append(
+            Intervention(
+                name=iv_name,
+                tensor=iv_name,
+                layer=s.layer,
+                scale=s.scale,
+                positions=s.positions,  # type: ignore[arg-type]
+                provenance=prov,
+                calibration=cal,
+            )
+        )
+    manifest = Manifest(
+        name=name,
+        version=version,
+        model=binding_for_model(model_dir),
+        interventions=ivs,
+        description=(
+            "Paths Not Taken (Lu et al., EMNLP 2025): recall task vector + translation "
+            "difference vector, calibrated jointly on the calibration split."
+        ),
+    )
+    return save_artifact(out_dir, manifest, tensors, overwrite=overwrite)
+
+
+def calib_records(per_lang: int = 10, en_items: int = 30, shots: int = 3) -> list[dict]:
+    """Calibration-split items: ``per_lang`` per non-English language, more English (the guard
+    on English needs more than a handful of items to mean anything)."""
+    from steerserve.facts import LANGS, eval_records
+
+    out = eval_records("calib", shots=shots, langs=["en"], limit_per_lang=en_items)
+    non_en = [lang for lang in LANGS if lang != "en"]
+    return out + eval_records("calib", shots=shots, langs=non_en, limit_per_lang=per_lang)
+
+
+def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """``calibration.json`` (the whole sweep) and ``calibration.md`` (a readable table)."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    clean = {k: v for k, v in result.items() if not k.startswith("_")}
+    (out / "calibration.json").write_text(json.dumps(clean, indent=2, ensure_ascii=False) + "\n")
+    b = result["baseline"]
+    lines = [
+        "# Calibration sweep (calibration split)",
+        "",
+        f"- objective: {result['objective']}",
+        f"- items: {result['n_items']} ({result['n_per_lang']})",
+        f"- scale unit: {result['scale_unit']}",
+        f"- timings (s): {json.dumps(result.get('timings_s', {}))}",
+        f"- baseline: non-English {b['non_en']:.3f}, English {b['en']:.3f}, "
+        f"answered in English {b['english_rate']:.3f}",
+        f"- chosen: recall {_fmt_d(result['chosen']['recall'])}, translation "
+        f"{_fmt_d(result['chosen']['translation'])} (feasible: {result['feasible']})",
+        "",
+        "| stage | recall | translation | non-en acc | en acc | en-rate | recall-any | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["sweep"]:
+        lines.append(
+            f"| {r['stage']} | {_fmt_d(r['recall'])} | {_fmt_d(r['translation'])} | "
+            f"{r['non_en']:.3f} | {r['en']:.3f} | {r['english_rate']:.3f} | "
+            f"{r['recall_any']:.3f} | {r['seconds']:.0f} |"
+        )
+    (out / "calibration.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def _fmt_d(d: dict[str, Any] | None) -> str:
+    return _fmt(Setting(**d)) if d else "-"

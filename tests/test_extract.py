@@ -1,0 +1,98 @@
+"""Extraction on a tiny random model: shapes, determinism, the layer convention, the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from steerserve.extract import (
+    NORM_KEY,
+    Candidates,
+    ExtractConfig,
+    extract,
+    last_token_means,
+    load_model,
+    mixed_prompt,
+    prompt_groups,
+    translation_prompt,
+    unit_scaled,
+)
+from steerserve.facts import load_facts, query
+
+CFG = ExtractConfig(per_lang=2, langs=("en", "fr", "ja"), batch_size=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gemma: Path):
+    return load_model(str(tiny_gemma))
+
+
+def test_prompts_are_what_the_variants_say() -> None:
+    ja = load_facts("train", ["ja"], ["capital_of"])[0]
+    mixed = mixed_prompt(ja, 3, 0)
+    assert mixed.endswith(query(ja))
+    assert mixed.startswith("Country: ")  # English demonstrations, Japanese query
+    assert mixed.count("\n") == 3
+    assert translation_prompt("Paris", "fr", [("Rome", "Rome")]) == (
+        "English: Rome → French: Rome\nEnglish: Paris → French:"
+    )
+    g = prompt_groups(CFG)
+    assert len(g["zero.native"]) == 6 and len(g["translation"]) == 4
+    assert all(p.count("\n") == 5 for p in g["fewshot.native"])  # 5-shot task-vector prompts
+
+
+def test_shapes_and_determinism(tiny) -> None:
+    model, tok = tiny
+    a = extract(model, tok, CFG)
+    b = extract(model, tok, ExtractConfig(**{**CFG.__dict__, "batch_size": 1}))
+    n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    assert set(a.names) == {
+        "recall.en.raw", "recall.en.diff", "recall.native.raw", "recall.native.diff",
+        "recall.mixed.raw", "recall.mixed.diff", "translation",
+    }  # fmt: skip
+    for name in a.names:
+        assert a.tensors[name].shape == (n_layers, hidden)
+        assert torch.isfinite(a.tensors[name]).all()
+        # batch composition and padding must not change the result
+        torch.testing.assert_close(a.tensors[name], b.tensors[name], atol=1e-4, rtol=1e-4)
+    assert a.tensors[NORM_KEY].shape == (n_layers,)
+    v = unit_scaled(a, "translation", 1)
+    assert float(v.norm()) == pytest.approx(float(a.tensors[NORM_KEY][1]), rel=1e-5)
+
+
+def test_hook_matches_hidden_states(tiny) -> None:
+    """Block L's output is transformers' hidden_states[L+1] (the last one is post-norm there)."""
+    model, tok = tiny
+    p = "Country: France. Capital:"
+    mean, _ = last_token_means(model, tok, [p], batch_size=1)
+    ids = tok(p, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    for layer in range(model.config.num_hidden_layers - 1):
+        torch.testing.assert_close(mean[layer], hs[layer + 1][0, -1].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_save_load_roundtrip(tiny, tmp_path: Path) -> None:
+    model, tok = tiny
+    c = extract(model, tok, ExtractConfig(per_lang=1, langs=("en", "de"), batch_size=4))
+    path = c.save(tmp_path / "c.safetensors")
+    d = Candidates.load(path)
+    assert d.meta["groups"] == c.meta["groups"]
+    torch.testing.assert_close(d.tensors["translation"], c.tensors["translation"])
+
+
+def test_cli_extract_cpu(tiny_gemma: Path, tmp_path: Path) -> None:
+    """The GPU command line (--model PATH --device --dtype) on CPU, through the same command."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    out = tmp_path / "cands.safetensors"
+    args = ["extract", "--model", str(tiny_gemma), "--device", "cpu", "--dtype", "float32",
+            "--per-lang", "1", "--langs", "en,fr", "--batch-size", "2", "--out", str(out)]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    c = Candidates.load(out)
+    assert c.meta["device"] == "cpu" and c.tensors["translation"].shape == (4, 64)
