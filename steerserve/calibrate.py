@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steerserve.evaluate import Entry, score_all
+from steerserve.evaluate import Entry, generate, score_all
 from steerserve.extract import NORM_KEY, Candidates, unit_scaled
-
-SHARE_SAFE = ("last_prompt_and_generated", "generated")
 
 
 @dataclass
@@ -105,26 +103,6 @@ class Row:
         return d
 
 
-def submit(engine: Any, prompts: Sequence[str], steering: Sequence[list[Entry] | None], sp: Any):
-    """``engine.generate`` that lets steered requests reuse the unsteered prompt prefix KV.
-
-    The engine salts the prefix cache per steering config, which is required when prompt tokens
-    are steered (``positions="all"``). Entries that steer only the last prompt token and later
-    leave every earlier token's KV exactly as unsteered, and vLLM always recomputes the last
-    prompt token, so dropping the salt there is exact and makes a sweep ~5x cheaper.
-    """
-    from steerserve.engine.api import make_prompt, with_steering
-
-    prepared = [engine.admission.prepare(s) for s in steering]
-    reqs, sps = [], []
-    for p, pr in zip(prompts, prepared, strict=True):
-        if pr.steered and all(e.positions in SHARE_SAFE for e in pr.entries):
-            pr = dataclasses.replace(pr, cache_salt=None)
-        reqs.append(make_prompt(p, pr))
-        sps.append(with_steering(sp, pr))
-    return engine.llm.generate(reqs, sps, use_tqdm=False)
-
-
 def run_config(
     engine: Any,
     records: Sequence[dict],
@@ -132,17 +110,13 @@ def run_config(
     max_tokens: int = 8,
     share_prefix: bool = True,
 ) -> tuple[list[str], float]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
+    """Greedy answers of every record under one steering config, and the seconds it took."""
     t0 = time.perf_counter()
     prompts = [r["prompt"] for r in records]
-    steer = [entries] * len(prompts)
-    if share_prefix:
-        res = submit(engine, prompts, steer, sp)
-    else:
-        res = engine.generate(prompts, sp, steering=steer)
-    return [r.outputs[0].text for r in res], time.perf_counter() - t0
+    texts = generate(
+        engine, prompts, [entries] * len(prompts), max_tokens, share_prefix=share_prefix
+    )
+    return texts, time.perf_counter() - t0
 
 
 def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:

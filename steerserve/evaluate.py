@@ -182,6 +182,31 @@ def register_artifact(engine: Any, artifact: Any, seed: int = 1234) -> None:
             engine.register_vector(f"{name}.random", random_like(t, seed + i))
 
 
+SHARE_SAFE = ("last_prompt_and_generated", "generated")
+
+
+def submit(engine: Any, prompts: Sequence[str], steering: Sequence[list[Entry] | None], sp: Any):
+    """``engine.generate`` that lets steered requests reuse the unsteered prompt-prefix KV.
+
+    The engine salts the prefix cache per steering config, which is required when prompt tokens
+    are steered (``positions="all"``). Entries that steer only the last prompt token and later
+    leave every earlier token's KV exactly as unsteered, and vLLM always recomputes the last
+    prompt token, so dropping the salt there is exact (tested) and makes sweeps ~3x cheaper.
+    """
+    import dataclasses
+
+    from steerserve.engine.api import make_prompt, with_steering
+
+    prepared = [engine.admission.prepare(s) for s in steering]
+    reqs, sps = [], []
+    for p, pr in zip(prompts, prepared, strict=True):
+        if pr.steered and all(e.positions in SHARE_SAFE for e in pr.entries):
+            pr = dataclasses.replace(pr, cache_salt=None)
+        reqs.append(make_prompt(p, pr))
+        sps.append(with_steering(sp, pr))
+    return engine.llm.generate(reqs, sps, use_tqdm=False)
+
+
 def generate(
     engine: Any,
     prompts: Sequence[str],
@@ -189,6 +214,7 @@ def generate(
     max_tokens: int = 8,
     chunk: int = 256,
     progress: Callable[[int], None] | None = None,
+    share_prefix: bool = True,
 ) -> list[str]:
     """Greedy continuations, stopping at the first newline (only the first line is scored)."""
     from vllm import SamplingParams
@@ -196,7 +222,8 @@ def generate(
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
     out: list[str] = []
     for i in range(0, len(prompts), chunk):
-        res = engine.generate(prompts[i : i + chunk], sp, steering=steering[i : i + chunk])
+        ps, st = prompts[i : i + chunk], steering[i : i + chunk]
+        res = submit(engine, ps, st, sp) if share_prefix else engine.generate(ps, sp, steering=st)
         out += [r.outputs[0].text for r in res]
         if progress:
             progress(len(res))
