@@ -113,6 +113,7 @@ def serve(
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, A/B) with per-request steering."""
     import logging
+    import signal
 
     import uvicorn
 
@@ -150,6 +151,10 @@ def serve(
         exit_on_load_failure=True,
     )
     server_app = create_app(settings)
+    # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal under the handler found at
+    # start: a no-op here, so a drained server exits 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(
         server_app,
         host=host,

@@ -599,7 +599,7 @@ def test_non_stream_disconnect_aborts(server: Server, http: httpx.Client) -> Non
     before = metric(http, "steerserve_requests_total", endpoint="completions", status="499")
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=0.5)
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
     assert _wait(lambda: engine.in_flight() == 0, 5)
     assert _wait(
         lambda: (
