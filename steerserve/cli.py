@@ -443,7 +443,8 @@ def eval_cmd(
         None, help="JSONL {id, lang, prompt, answers, answers_en?}; default: built-in test split."
     ),
     arms: str = typer.Option(
-        "baseline,recall,translation,both,random", help="Comma-separated arms."
+        "baseline,both,random,recall,translation",
+        help="Comma-separated arms (run in this order; the report is rewritten after each).",
     ),
     limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
     shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
@@ -476,12 +477,8 @@ def eval_cmd(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
     t_engine = time.perf_counter() - t0
-    try:
-        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens)
-    finally:
-        eng.shutdown()
     m = art.manifest
-    meta = {
+    meta: dict = {
         "model": str(model_dir.name),
         "artifact": f"{m.name}/{m.version}",
         "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
@@ -490,14 +487,20 @@ def eval_cmd(
             iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
             for iv in m.interventions
         },
-        "timings_s": {
-            "engine_start": round(t_engine, 1),
-            **times,
-            "total": round(time.perf_counter() - t0, 1),
-        },
     }
-    report = ev.build_report(records, results, meta)
-    ev.write_report(report, out)
+
+    def write(results: dict, times: dict) -> dict:
+        meta["timings_s"] = {"engine_start": round(t_engine, 1), **times}
+        meta["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
+        report = ev.build_report(records, results, meta)
+        ev.write_report(report, out)
+        return report
+
+    try:
+        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens, on_arm=write)
+    finally:
+        eng.shutdown()
+    report = write(results, times)
     for arm, a in report["arms"].items():
         typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
     typer.echo(f"wrote {out}/report.json, report.md, accuracy.png")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 import time
 import unicodedata
@@ -73,47 +72,49 @@ def _lang_mean(correct: Mapping[str, Sequence[float]]) -> float:
     return sum(sum(v) / len(v) for v in correct.values()) / len(correct) if correct else 0.0
 
 
+def _boot_lang_means(
+    values: Mapping[str, Sequence[float]], n_boot: int, seed: int
+) -> Any:  # numpy [n_boot]
+    """Bootstrap replicates of the mean over languages, items resampled within each language."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    acc = np.zeros(n_boot)
+    for v in values.values():
+        arr = np.asarray(v, dtype=float)
+        acc += arr[rng.integers(0, len(arr), size=(n_boot, len(arr)))].mean(1)
+    return acc / max(len(values), 1)
+
+
 def bootstrap_mean(
-    correct: Mapping[str, Sequence[float]], n_boot: int = 2000, seed: int = 0
+    correct: Mapping[str, Sequence[float]], n_boot: int = 4000, seed: int = 0
 ) -> tuple[float, float]:
     """95 % interval of the mean of per-language accuracies, resampling items within languages."""
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(n_boot):
-        accs = []
-        for v in correct.values():
-            accs.append(sum(v[rng.randrange(len(v))] for _ in v) / len(v))
-        stats.append(sum(accs) / len(accs))
-    stats.sort()
-    return (stats[int(0.025 * n_boot)], stats[int(0.975 * n_boot) - 1])
+    import numpy as np
+
+    reps = _boot_lang_means(correct, n_boot, seed)
+    return (float(np.quantile(reps, 0.025)), float(np.quantile(reps, 0.975)))
 
 
 def paired_bootstrap(
     a: Mapping[str, Sequence[float]],
     b: Mapping[str, Sequence[float]],
-    n_boot: int = 2000,
+    n_boot: int = 4000,
     seed: int = 0,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Difference of language-mean accuracy a - b on the same items: estimate, 95 % CI, p.
 
     Items are resampled jointly (paired), so item difficulty cancels and the interval is the
     honest test of "a beats b"; ``p_le_0`` is the bootstrap share of differences <= 0.
     """
-    rng = random.Random(seed)
-    diffs = []
-    for _ in range(n_boot):
-        accs = []
-        for lang, va in a.items():
-            vb = b[lang]
-            idx = [rng.randrange(len(va)) for _ in va]
-            accs.append(sum(va[i] - vb[i] for i in idx) / len(va))
-        diffs.append(sum(accs) / len(accs))
-    diffs.sort()
-    est = _lang_mean(a) - _lang_mean(b)
+    import numpy as np
+
+    d = {k: [x - y for x, y in zip(a[k], b[k], strict=True)] for k in a}
+    reps = _boot_lang_means(d, n_boot, seed)
     return {
-        "diff": est,
-        "ci95": [diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]],
-        "p_le_0": sum(d <= 0 for d in diffs) / n_boot,
+        "diff": _lang_mean(a) - _lang_mean(b),
+        "ci95": [float(np.quantile(reps, 0.025)), float(np.quantile(reps, 0.975))],
+        "p_le_0": float((reps <= 0).mean()),
     }
 
 
@@ -442,8 +443,12 @@ def evaluate(
     arms: Sequence[str] = ARMS,
     max_tokens: int = 8,
     keep_texts: bool = False,
+    on_arm: Callable[[dict[str, ArmResult], dict[str, float]], None] | None = None,
 ) -> tuple[dict[str, ArmResult], dict[str, float]]:
-    """Run every arm on every record through ``engine``; returns results and seconds per arm."""
+    """Run every arm on every record through ``engine``; returns results and seconds per arm.
+
+    ``on_arm`` sees the partial results after each arm (a long CPU run then leaves a report
+    even if it is stopped early)."""
     from tqdm import tqdm
 
     register_artifact(engine, artifact)
@@ -460,6 +465,8 @@ def evaluate(
                 results[arm].texts = []
             times[arm] = round(time.perf_counter() - t0, 1)
             bar.set_postfix(arm=arm, acc=f"{sum(results[arm].correct) / len(prompts):.3f}")
+            if on_arm is not None:
+                on_arm(results, times)
     return results, times
 
 
