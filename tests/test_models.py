@@ -16,8 +16,8 @@ from steerserve.facts import load_facts, prompt
 
 VLLM_PROMPTS = [
     prompt(f, shots=3)
-    for f in load_facts("test", ["en", "fr", "ja", "zh"], ["capital_of"])
-    if f.fact_id in ("capital_of:IT", "capital_of:ES")
+    for f in load_facts("test", ["en", "fr", "ja", "zh", "ko"], ["capital_of"])
+    if f.fact_id == "capital_of:IT"
 ] + ["The quick brown fox"]
 MAX_TOKENS = 6
 
@@ -134,10 +134,14 @@ def test_vllm_loads_the_conversion_and_matches_transformers(default_dir: Path, h
     from vllm import SamplingParams
 
     from steerserve.engine.api import EngineConfig, SteerEngine
-    from steerserve.reference import greedy
 
     model, tok = hf
-    expected = [greedy(model, tok(p)["input_ids"], MAX_TOKENS)[0] for p in VLLM_PROMPTS]
+    expected = []
+    with torch.no_grad():
+        for p in VLLM_PROMPTS:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+            expected.append(out[0, ids.shape[1] :].tolist())
     eng = SteerEngine(
         EngineConfig(
             model=str(default_dir),
@@ -147,9 +151,7 @@ def test_vllm_loads_the_conversion_and_matches_transformers(default_dir: Path, h
         )
     )
     try:
-        outs = eng.generate(
-            VLLM_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        )
+        outs = eng.generate(VLLM_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     finally:
         eng.shutdown()
     for p, o, exp in zip(VLLM_PROMPTS, outs, expected, strict=True):
