@@ -188,7 +188,11 @@ def assemble_gguf(dest_dir: Path) -> tuple[Path, str]:
 
 
 def fix_tokenizer(tokenizer: Any) -> Any:
-    """Prepend ``<bos>`` by default, carry the chat template, stop chat turns at <end_of_turn>."""
+    """Prepend ``<bos>`` by default and carry the chat template.
+
+    transformers 5 keeps BOS in tokenizer.json's post-processor (it drops ``add_bos_token`` from
+    tokenizer_config.json), which is also what vLLM's tokenizer uses for text prompts.
+    """
     tokenizer.add_bos_token = True
     if hasattr(tokenizer, "update_post_processor"):
         tokenizer.update_post_processor()
