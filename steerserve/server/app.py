@@ -29,9 +29,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from steerserve.engine.api import EngineConfig, Prepared
 from steerserve.server import protocol as P
-from steerserve.server.engine import ServingEngine, load_artifacts
+from steerserve.server.engine import (
+    ServingEngine,
+    chained,
+    collect,
+    engine_error,
+    load_artifacts,
+    merge,
+    prime,
+)
 from steerserve.server.metrics import Metrics
-from steerserve.server.policy import Decision, LoadedArtifact, SteeringPolicy
+from steerserve.server.policy import MODES, Decision, LoadedArtifact, SteeringPolicy
 from steerserve.server.protocol import ApiError
 
 logger = logging.getLogger("steerserve.server")
@@ -73,6 +81,8 @@ class ServerState:
     """The app's state: settings, engine, policy, metrics, readiness."""
 
     def __init__(self, settings: ServerSettings) -> None:
+        if settings.steering not in MODES:
+            raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
         self.settings = settings
         self.engine = ServingEngine(settings.engine)
         self.policy = SteeringPolicy(
@@ -82,11 +92,11 @@ class ServerState:
         self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
         self.created = int(time.time())
-        self._loaded = False
+        self.loaded = False
 
     @property
     def ready(self) -> bool:
-        return self._loaded and self.engine.ready
+        return self.loaded and self.engine.ready
 
     # --- startup -----------------------------------------------------------------------------
 
@@ -109,7 +119,7 @@ class ServerState:
                 self.policy.default = "off"
             if self.policy.default_artifact is not None:
                 await asyncio.to_thread(self.policy.detector.warm)
-            self._loaded = True
+            self.loaded = True
             self.metrics.ready.set(1)
             logger.info(
                 "ready: model %s, artifacts %s (default %s), policy %s",
@@ -125,6 +135,18 @@ class ServerState:
             logger.exception("engine failed to load")
             if self.settings.exit_on_load_failure:
                 os.kill(os.getpid(), signal.SIGTERM)
+
+    def finish(self, call: Call, status: int, timed: bool = True) -> None:
+        """Count a finished request and log it (one structured line per request)."""
+        seconds = time.perf_counter() - call.t0
+        self.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
+        logger.info(
+            "request endpoint=%s arm=%s status=%d ms=%.1f",
+            call.endpoint,
+            call.arm,
+            status,
+            seconds * 1e3,
+        )
 
     async def add_artifact(self, art: Any, make_default: bool = False) -> LoadedArtifact:
         m = art.manifest
@@ -167,46 +189,6 @@ class ServerState:
         if force and not prepared.steered:
             raise ApiError("steering: the steered arm would not be steered", param="steering")
         return decision, prepared
-
-    def sampling(
-        self, req: P.ChatCompletionRequest | P.CompletionRequest, prompt_len: int, **kw: Any
-    ) -> Any:
-        from vllm import SamplingParams
-
-        max_len = self.engine.max_model_len
-        room = max_len - prompt_len
-        budget = req.token_budget()
-        if room <= 0 or (budget is not None and budget > room):
-            asked = prompt_len + (budget or 1)
-            raise ApiError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{asked} tokens ({prompt_len} in the prompt, {budget or 1} for the completion).",
-                param="max_tokens" if room > 0 else "messages",
-                code="context_length_exceeded",
-            )
-        try:
-            return SamplingParams(
-                n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                max_tokens=budget or room,
-                stop=req.stop_list(),
-                seed=req.seed,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                ignore_eos=req.ignore_eos,
-                **kw,
-            )
-        except Exception as e:  # vLLM's own checks (ValueError / VLLMValidationError)
-            raise ApiError(str(e)) from None
-
-    def check_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise ApiError(f"{param}: the prompt is empty", param=param)
-        vocab = self.engine.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
 
 def _default_first(arts: list[Any]) -> list[Any]:
@@ -262,67 +244,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     except BaseException:  # noqa: BLE001 - the request is gone either way
         pass
     raise ClientGone
-
-
-def engine_error(e: BaseException) -> ApiError:
-    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx)."""
-    if isinstance(e, BaseExceptionGroup):
-        return engine_error(e.exceptions[0])
-    if isinstance(e, ApiError):
-        return e
-    from vllm.exceptions import GracefulHTTPError, VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    if isinstance(e, GracefulHTTPError):
-        return ApiError(e.message, status=int(e.http_status), type="service_unavailable")
-    if isinstance(e, (VLLMClientError, ValueError)):
-        return ApiError(str(e))
-    if isinstance(e, EngineDeadError):
-        return ApiError("the engine died", status=503, type="service_unavailable")
-    logger.error("generation failed", exc_info=e)
-    return ApiError("generation failed", status=500, type="server_error")
-
-
-async def collect(gen: AsyncGenerator[Any, None]) -> Any:
-    last = None
-    async for out in gen:
-        last = out
-    return last
-
-
-async def merge(gens: list[AsyncGenerator[Any, None]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several engine streams; closing the merge cancels (aborts) them all."""
-    if len(gens) == 1:
-        async for out in gens[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, gen: AsyncGenerator[Any, None]) -> None:
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
@@ -385,7 +306,7 @@ def _errors(app: FastAPI) -> None:
     def record(request: Request, status: int) -> None:
         call: Call | None = getattr(request.state, "call", None)
         if call is not None:
-            _state(request).metrics.observe(call.endpoint, call.arm, status, None)
+            _state(request).finish(call, status, timed=False)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -416,9 +337,13 @@ def _ops_router() -> APIRouter:
     r = APIRouter()
 
     @r.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness: the process serves HTTP."""
-        return {"status": "ok"}
+    async def health(request: Request) -> JSONResponse:
+        """Liveness: 200 while the process serves (also while loading); 503 once the engine
+        has died or failed to load, so an orchestrator restarts the process."""
+        s = _state(request)
+        if s.load_error is not None or (s.loaded and not s.engine.ready):
+            return JSONResponse({"status": "engine dead"}, 503)
+        return JSONResponse({"status": "ok"})
 
     @r.get("/ready")
     async def ready(request: Request) -> JSONResponse:
@@ -428,7 +353,7 @@ def _ops_router() -> APIRouter:
             return JSONResponse({"status": "ready", "model": s.model_name})
         if s.load_error is not None:
             return JSONResponse({"status": "failed", "error": str(s.load_error)}, 503)
-        return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "dead" if s.loaded else "loading"}, 503)
 
     @r.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -502,13 +427,13 @@ async def _chat(request: Request, ab: bool) -> Response:
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     if ab and req.seed is None:
         req.seed = random.randrange(2**31)  # both arms sample with the same seed
-    sp = s.sampling(req, len(ids), logprobs=top, output_kind=kind)
+    sp = s.engine.sampling_params(req, len(ids), logprobs=top, output_kind=kind)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     info = decision.info(prepared.steered)
     headers = {HEADER: info.header()}
     if req.stream:
         gen = s.engine.generate(ids, sp, prepared, rid)
-        first = await _prime(gen)
+        first = await prime(gen)
         body = _chat_stream(s, call, req, rid, gen, first, info, len(ids), top or 0)
         return _stream_response(body, headers)
 
@@ -536,13 +461,13 @@ async def _chat(request: Request, ab: bool) -> Response:
             ]
             res = P.ABResponse(unsteered=un, steered=st, identical=same)
     except ClientGone:
-        s.metrics.observe(call.endpoint, call.arm, 499, time.perf_counter() - call.t0)
+        s.finish(call, 499)
         return Response(status_code=499)
     except Exception as e:
         raise engine_error(e) from None
     finally:
         s.metrics.queue_depth.dec()
-    s.metrics.observe(call.endpoint, call.arm, 200, time.perf_counter() - call.t0)
+    s.finish(call, 200)
     return _json(res, headers)
 
 
@@ -571,28 +496,9 @@ def _chat_completion(
     )
 
 
-async def _prime(gen: AsyncGenerator[Any, None]) -> Any:
-    """Submit the request and wait for its first output, so engine-side refusals are still a
-    proper 4xx (the stream's 200 is not sent yet)."""
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None
-    except Exception as e:
-        await gen.aclose()
-        raise engine_error(e) from None
-
-
 def _stream_response(body: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
     headers = {**headers, "cache-control": "no-cache"}
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-
-
-async def _chained(first: Any, gen: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
-    if first is not None:
-        yield first
-        async for out in gen:
-            yield out
 
 
 async def _chat_stream(
@@ -622,7 +528,7 @@ async def _chat_stream(
             ],
             steering=info,
         )
-        async for out in _chained(first, gen):
+        async for out in chained(first, gen):
             for o in out.outputs:
                 completion += len(o.token_ids)
                 lp = (
@@ -657,7 +563,7 @@ async def _chat_stream(
         s.metrics.queue_depth.dec()
         await gen.aclose()
         s.metrics.count_tokens(call.arm, prompt_len, completion)
-        s.metrics.observe(call.endpoint, call.arm, status, time.perf_counter() - call.t0)
+        s.finish(call, status)
 
 
 def _json_dumps(obj: Any) -> str:
@@ -691,13 +597,16 @@ async def _completions(request: Request) -> Response:
     if not prompts:
         raise ApiError("prompt: must not be empty", param="prompt")
     for ids in prompts:
-        s.check_ids(ids, "prompt")
+        s.engine.check_ids(ids, "prompt")
     decision, prepared = await s.steer(req.steering, "\n".join(texts))
     call.arm = "steered" if prepared.steered else "unsteered"
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    sps = [s.sampling(req, len(ids), logprobs=req.logprobs, output_kind=kind) for ids in prompts]
+    sps = [
+        s.engine.sampling_params(req, len(ids), logprobs=req.logprobs, output_kind=kind)
+        for ids in prompts
+    ]
     rid = f"cmpl-{uuid.uuid4().hex}"
     info = decision.info(prepared.steered)
     headers = {HEADER: info.header()}
@@ -709,7 +618,7 @@ async def _completions(request: Request) -> Response:
         firsts = []
         for g in gens:
             try:
-                firsts.append(await _prime(g))
+                firsts.append(await prime(g))
             except ApiError:
                 for other in gens:
                     await other.aclose()
@@ -726,7 +635,7 @@ async def _completions(request: Request) -> Response:
     try:
         outs = await until_disconnect(request, run())
     except ClientGone:
-        s.metrics.observe(call.endpoint, call.arm, 499, time.perf_counter() - call.t0)
+        s.finish(call, 499)
         return Response(status_code=499)
     except Exception as e:
         raise engine_error(e) from None
@@ -748,7 +657,7 @@ async def _completions(request: Request) -> Response:
             )
     prompt_tokens = sum(len(ids) for ids in prompts)
     s.metrics.count_tokens(call.arm, prompt_tokens, completion)
-    s.metrics.observe(call.endpoint, call.arm, 200, time.perf_counter() - call.t0)
+    s.finish(call, 200)
     res = P.Completion(
         id=rid,
         created=int(time.time()),
@@ -780,7 +689,7 @@ async def _completion_stream(
         return _sse(c)
 
     s.metrics.queue_depth.inc()
-    streams = [_chained(f, g) for f, g in zip(firsts, gens, strict=True)]
+    streams = [chained(f, g) for f, g in zip(firsts, gens, strict=True)]
     try:
         first_chunk = True
         if req.echo:
@@ -821,7 +730,7 @@ async def _completion_stream(
         for g in gens:
             await g.aclose()
         s.metrics.count_tokens(call.arm, sum(len(ids) for ids in prompts), completion)
-        s.metrics.observe(call.endpoint, call.arm, status, time.perf_counter() - call.t0)
+        s.finish(call, status)
 
 
 # --- steering vectors (admin) -------------------------------------------------------------------
@@ -848,7 +757,7 @@ def _vectors_listing(s: ServerState) -> dict[str, Any]:
 
 async def _load_vectors(request: Request) -> dict[str, Any]:
     s = _state(request)
-    request.state.call = Call("vectors")
+    call = request.state.call = Call("vectors")
     req = P.parse_request(P.VectorLoadRequest, await read_body(request, s.settings.max_body_bytes))
     if not s.ready:
         raise ApiError("the engine is still loading", status=503, type="service_unavailable")
@@ -877,6 +786,6 @@ async def _load_vectors(request: Request) -> dict[str, Any]:
         loaded = await s.add_artifact(art, make_default=req.default)
     except ValueError as e:  # same name/version, other data: artifacts are immutable
         raise ApiError(str(e), status=409, param="name", code="conflict") from None
-    s.metrics.observe("vectors", "none", 200, None)
+    s.finish(call, 200, timed=False)
     logger.info("loaded artifact %s (default: %s)", loaded.key, s.policy.default_artifact)
     return {"loaded": loaded.key, **_vectors_listing(s)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from steerserve.engine.api import (
     with_steering,
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
+from steerserve.server.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,46 @@ class ServingEngine:
     def vocab_size(self) -> int:
         return int(self.llm.model_config.get_vocab_size())
 
+    def sampling_params(self, req: Any, prompt_len: int, **kw: Any) -> Any:
+        """vLLM ``SamplingParams`` for a chat/completions request, refusing a prompt plus
+        completion longer than the context (400, OpenAI's ``context_length_exceeded``)."""
+        from vllm import SamplingParams
+
+        max_len = self.max_model_len
+        room = max_len - prompt_len
+        budget = req.token_budget()
+        if room <= 0 or (budget is not None and budget > room):
+            asked = prompt_len + (budget or 1)
+            raise ApiError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the prompt, {budget or 1} for the completion).",
+                param="max_tokens" if room > 0 else "messages",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                max_tokens=budget or room,
+                stop=req.stop_list(),
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                ignore_eos=req.ignore_eos,
+                **kw,
+            )
+        except Exception as e:  # vLLM's own checks (ValueError / VLLMValidationError)
+            raise ApiError(str(e)) from None
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(f"{param}: the prompt is empty", param=param)
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
     def prepare(self, entries: Sequence[Any] | None) -> Prepared:
         return self.admission.prepare(entries)
 
@@ -156,6 +197,91 @@ class ServingEngine:
             if handler is not None:  # stop reading outputs first: no "engine dead" noise
                 handler.cancel()
             await asyncio.to_thread(llm.shutdown)
+
+
+# --- consuming engine streams --------------------------------------------------------------------
+
+
+def engine_error(e: BaseException) -> ApiError:
+    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx)."""
+    if isinstance(e, BaseExceptionGroup):
+        return engine_error(e.exceptions[0])
+    if isinstance(e, ApiError):
+        return e
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(e, GracefulHTTPError):
+        return ApiError(e.message, status=int(e.http_status), type="service_unavailable")
+    if isinstance(e, (VLLMClientError, ValueError)):
+        return ApiError(str(e))
+    if isinstance(e, EngineDeadError):
+        return ApiError("the engine died", status=503, type="service_unavailable")
+    logger.error("generation failed", exc_info=e)
+    return ApiError("generation failed", status=500, type="server_error")
+
+
+async def collect(gen: AsyncGenerator[Any, None]) -> Any:
+    """The last output of a FINAL_ONLY stream."""
+    last = None
+    async for out in gen:
+        last = out
+    return last
+
+
+async def merge(gens: list[AsyncGenerator[Any, None]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several engine streams; closing the merge cancels (aborts) them all."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: AsyncGenerator[Any, None]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def prime(gen: AsyncGenerator[Any, None]) -> Any:
+    """Submit the request and wait for its first output, so engine-side refusals are still a
+    proper 4xx (the stream's 200 is not sent yet)."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as e:
+        await gen.aclose()
+        raise engine_error(e) from None
+
+
+async def chained(first: Any, gen: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
+    """``first`` (from :func:`prime`) followed by the rest of ``gen``."""
+    if first is not None:
+        yield first
+        async for out in gen:
+            yield out
 
 
 def load_artifacts(root: str | Path | None, model_dir: str | Path) -> list[Any]:

@@ -172,7 +172,7 @@ class SteeringPolicy:
 
     def resolve(self, raw: Any, *, language: str | None = None, force: bool = False) -> Decision:
         """The decision for a request. ``force`` (A/B): "auto" and the default mean "on"."""
-        mode = self.mode_of(raw)
+        mode = "on" if force and raw is None else self.mode_of(raw)
         if force and mode == "off":
             raise ApiError(
                 "steering: the A/B endpoint compares against a steered arm; false is not allowed",
