@@ -308,6 +308,7 @@ def main() -> None:
         client_main(args.client[0], args.client[1], int(args.client[2]))
         return
 
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         model, vectors = (args.model, args.vectors_dir)
         if model is None:
@@ -333,7 +334,9 @@ def main() -> None:
         f"`bench/gateway.py`: model `{Path(model).name}`, {args.max_tokens} greedy tokens per "
         f"request (ignore_eos), non-streaming `/v1/completions` vs `AsyncLLM.generate` on the same "
         f"engine; {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{time.strftime('%Y-%m-%d')}. Ratio = server / direct (target p50 ratio <= 1.05)."
+        f"{time.strftime('%Y-%m-%d')}, load average {load0:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end. Ratio = server / direct (target p50 ratio <= 1.05); "
+        "the paired ratio is the median over adjacent batch pairs, robust to background load."
     )
     print(meta + "\n\n" + md)
     if args.write_docs:
