@@ -1,0 +1,217 @@
+"""The steering policy and request parsing without an engine: fast, exhaustive on edge cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from steerserve.engine.registry import VectorRegistry
+from steerserve.server.policy import Intervention, LanguageDetector, LoadedArtifact, SteeringPolicy
+from steerserve.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SteeringInfo,
+    parse_request,
+)
+
+
+def _artifact(version: str, registry: VectorRegistry) -> LoadedArtifact:
+    ivs = {}
+    for name, layer, scale in (("recall", 3, 4.0), ("translation", 5, -2.0)):
+        vector = f"tiny/{version}/{name}"
+        if vector not in registry:
+            registry.add(vector, torch.ones(8) * layer)
+        ivs[name] = Intervention("tiny", version, name, vector, layer, scale, "generated")
+    return LoadedArtifact("tiny", version, ivs, {"name": "tiny", "version": version})
+
+
+@pytest.fixture(scope="module")
+def detector() -> LanguageDetector:
+    d = LanguageDetector()
+    d.warm()
+    return d
+
+
+@pytest.fixture
+def policy(detector: LanguageDetector) -> SteeringPolicy:
+    reg = VectorRegistry(8)
+    p = SteeringPolicy(reg, default="auto", max_abs_scale=10.0, detector=detector)
+    p.add(_artifact("v1", reg))
+    return p
+
+
+def test_modes(policy: SteeringPolicy) -> None:
+    assert policy.resolve(False).entries == ()
+    on = policy.resolve(True)
+    assert on.policy == "on"
+    assert [e["vector"] for e in on.entries] == ["tiny/v1/recall", "tiny/v1/translation"]
+    assert [e["scale"] for e in on.entries] == [4.0, -2.0]
+    assert on.info(True).interventions[0].sha256 == policy.registry["tiny/v1/recall"].sha256[:12]
+    assert policy.resolve("off").entries == () and policy.resolve("on").entries == on.entries
+    # auto: on only for a detected non-English language
+    assert policy.resolve("auto", language="en").entries == ()
+    assert policy.resolve("auto", language=None).entries == ()
+    fr = policy.resolve("auto", language="fr")
+    assert fr.entries == on.entries and fr.info(True).detected_language == "fr"
+    assert policy.resolve(None, language="ja").policy == "auto"  # the server default
+
+
+def test_interventions_multiply_calibrated_scales(policy: SteeringPolicy) -> None:
+    d = policy.resolve({"interventions": {"translation": 0.5}})
+    assert d.entries == (
+        {"vector": "tiny/v1/translation", "layer": 5, "scale": -1.0, "positions": "generated"},
+    )
+    assert d.info(True).interventions[0].name == "translation"
+    assert d.info(False).interventions == []  # nothing is claimed when nothing was applied
+
+
+@pytest.mark.parametrize(
+    "raw,param,message",
+    [
+        ("yes", "steering", "not one of"),
+        (3, "steering", "got int"),
+        ([1], "steering", "got list"),
+        ({"interventions": {"recal": 1}}, "steering.interventions.recal", "unknown intervention"),
+        ({"interventions": {"recall": 3}}, "steering.interventions.recall", "outside"),
+        ({"interventions": {"recall": True}}, "steering.interventions.recall", "finite number"),
+        ({"interventions": {"recall": float("nan")}}, "steering.interventions.recall", "finite"),
+        ({"interventions": {}}, "steering.interventions", "non-empty"),
+        ({"interventions": [1]}, "steering.interventions", "non-empty"),
+        ({"entries": []}, "steering.entries", "non-empty"),
+        ({"entries": [], "artifact": "tiny"}, "steering", "cannot be combined"),
+        ({"artifact": 3}, "steering.artifact", "string"),
+        ({"artifact": "other"}, "steering.artifact", "not loaded"),
+        ({"scale": 2}, "steering.scale", "unknown field"),
+    ],
+)
+def test_refusals_name_the_field(
+    policy: SteeringPolicy, raw: object, param: str, message: str
+) -> None:
+    with pytest.raises(ApiError) as e:
+        policy.resolve(raw)
+    assert e.value.status == 400 and e.value.param == param and message in e.value.message
+
+
+def test_ab_forces_a_steered_arm(policy: SteeringPolicy) -> None:
+    assert policy.resolve(None, force=True).policy == "on"
+    assert policy.resolve("auto", language="en", force=True).entries
+    with pytest.raises(ApiError, match="A/B"):
+        policy.resolve(False, force=True)
+    policy.default = "off"
+    assert policy.resolve(None, force=True).entries  # absent means "on" for A/B
+
+
+def test_no_artifact_refuses_instead_of_running_unsteered(detector: LanguageDetector) -> None:
+    p = SteeringPolicy(VectorRegistry(8), default="off", detector=detector)
+    for raw in (True, {"interventions": {"recall": 1}}):
+        with pytest.raises(ApiError) as e:
+            p.resolve(raw)
+        assert e.value.code == "no_artifact"
+    with pytest.raises(ApiError):
+        p.resolve("auto", language="fr")
+    assert p.resolve("auto", language="en").entries == ()
+
+
+def test_artifact_choice(policy: SteeringPolicy) -> None:
+    policy.add(_artifact("v10", policy.registry))
+    policy.add(_artifact("v2", policy.registry))
+    assert policy.default_artifact == "tiny/v1"  # the first loaded stays the default
+    latest = policy.resolve({"artifact": "tiny"})  # a bare name: its latest version
+    assert {e["vector"].split("/")[1] for e in latest.entries} == {"v10"}
+    pinned = policy.resolve({"artifact": "tiny/v2", "interventions": {"recall": 1}})
+    assert [e["vector"] for e in pinned.entries] == ["tiny/v2/recall"]
+    policy.add(policy.artifacts["tiny/v2"], make_default=True)
+    assert policy.resolve(True).entries[0]["vector"] == "tiny/v2/recall"
+
+
+def test_entries_echo_known_and_unknown_vectors(policy: SteeringPolicy) -> None:
+    policy.registry.add("adhoc", torch.zeros(8))
+    d = policy.resolve(
+        {"entries": [{"vector": "tiny/v1/recall", "layer": 2, "scale": 1.5}, {"vector": "adhoc"}]}
+    )
+    known, unknown = d.info(True).interventions
+    assert (known.artifact, known.name, known.layer, known.scale) == ("tiny", "recall", 2, 1.5)
+    assert (unknown.artifact, unknown.name, unknown.positions) == (None, "adhoc", "all")
+
+
+@pytest.mark.parametrize(
+    "text,lang",
+    [
+        ("What is the capital city of France? Please answer briefly.", "en"),
+        ("Quelle est la capitale de la France ? Réponds brièvement.", "fr"),
+        ("Was ist die Hauptstadt von Frankreich? Bitte antworte kurz.", "de"),
+        ("¿Cuál es la capital de Francia? Responde brevemente.", "es"),
+        ("日本の首都はどこですか", "ja"),
+        ("한국의 수도는 어디입니까?", "ko"),
+        ("Какая столица у Франции?", "ru"),
+        ("", None),
+        ("   ", None),
+    ],
+)
+def test_language_detection(detector: LanguageDetector, text: str, lang: str | None) -> None:
+    assert detector.detect(text) == lang
+
+
+# --- protocol -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "x", "content": "a"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": "2"}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": list("abcde")},
+            "stop",
+        ),
+        ({"messages": [{"role": "user", "content": "a"}]}, "model"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+    ],
+)
+def test_parse_errors_name_the_param(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.message.startswith(param + ": ")
+
+
+def test_parse_accepts_openai_shapes() -> None:
+    req = parse_request(
+        ChatCompletionRequest,
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "hi "},
+                            {"type": "text", "text": "there"},
+                        ],
+                    },
+                    {"role": "assistant", "content": "x", "refusal": None, "tool_calls": []},
+                ],
+                "stop": "\n",
+                "stream_options": {"include_usage": True},
+                "steering": {"interventions": {"recall": 1}},
+            }
+        ).encode(),
+    )
+    assert req.messages[1].text() == "hi there" and req.stop_list() == ["\n"]
+    assert req.steering == {"interventions": {"recall": 1}}
+    for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]]):
+        c = parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
+        assert c.prompt == prompt and c.max_tokens == 16
+
+
+def test_header() -> None:
+    assert SteeringInfo(applied=False, policy="auto", detected_language="en").header() == "off"
+    info = SteeringInfo(applied=True, policy="on", detected_language=None)
+    assert json.loads(info.header()) == {"applied": True, "policy": "on", "interventions": []}
+    assert " " not in info.header()
