@@ -26,13 +26,12 @@ def _default_vectors_dir() -> str:
 
 
 def _resolve_model(model: str) -> Path:
+    from steerserve.models import resolve_model
+
     try:
-        from steerserve.models import resolve_model
-    except ImportError:  # older trees: a local checkpoint only
-        if model == "default":
-            raise typer.BadParameter("the embedded default model is not available") from None
-        return Path(model)
-    return Path(resolve_model(model))
+        return Path(resolve_model(model))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
 
 
 @app.command()
