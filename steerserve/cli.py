@@ -505,6 +505,125 @@ def eval_cmd(
     typer.echo(f"wrote {out}/report.json, report.md, accuracy.png")
 
 
+@app.command()
+def analyze(
+    out: Path = typer.Option(
+        Path("out/analysis"), help="Writes report.json, report.md and PNG figures here."
+    ),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    dataset: Path | None = typer.Option(
+        None,
+        help="JSONL {id, lang, prompt, answers, answers_en, sep?}; default: built-in split. "
+        "answers_en is needed to classify failures; sep is what precedes the answer "
+        "(default: ' ', '' for zh/ja).",
+    ),
+    split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
+    shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
+    sample: int = typer.Option(
+        12, help="First N items per language (relations interleaved); 0: all."
+    ),
+    langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
+    artifact: Path | None = typer.Option(
+        None,
+        help="Artifact for the steered arms (default: vectors/gemma-3-270m/v1 for the default "
+        "model when it exists; without one only the 'none' arm runs).",
+        show_default=False,
+    ),
+    arms: str = typer.Option(
+        "none,recall,translation,both",
+        help="Comma-separated: none, recall, translation, both, random (same-norm random vectors).",
+    ),
+    threshold: int = typer.Option(
+        10, help="Rank (1 = top) the English answer must reach for a conversion failure."
+    ),
+    window: str = typer.Option(
+        "", help="Blocks LO,HI (inclusive) searched for the English answer; default: 2nd half."
+    ),
+    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (first line is scored)."),
+    batch_size: int = typer.Option(8, help="Prompts per forward pass."),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
+    device: str = typer.Option("cpu", help="torch device: cpu, cuda, ..."),
+    dtype: str = typer.Option("float32", help="torch dtype: float32, bfloat16 or float16."),
+) -> None:
+    """Logit lens per language and recall vs conversion failures, with and without steering."""
+    import time
+
+    import torch
+
+    from steerserve import analyze as an
+    from steerserve.artifacts import ArtifactError, load_artifact
+    from steerserve.evaluate import read_dataset
+    from steerserve.extract import load_model
+    from steerserve.facts import eval_records
+    from steerserve.reference import decoder_layers
+
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    model_dir = _resolve_model(model)
+    arm_list = _strs(arms)
+    unknown = set(arm_list) - set(an.ARMS)
+    if unknown:
+        raise typer.BadParameter(f"unknown arms {sorted(unknown)}; known: {', '.join(an.ARMS)}")
+    if artifact is None and model in ("default", "gemma-3-270m"):
+        shipped = Path(_default_vectors_dir()) / "gemma-3-270m" / "v1"
+        artifact = shipped if (shipped / "manifest.json").is_file() else None
+    art = None
+    if artifact is not None:
+        try:
+            art = load_artifact(artifact, model_dir=model_dir)
+        except ArtifactError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+    elif arm_list != ("none",):
+        typer.echo("no artifact: running only the 'none' arm (pass --artifact for steering)")
+        arm_list = ("none",)
+    lang_list = None if langs == "all" else _strs(langs)
+    if dataset is not None:
+        records = an.sample(read_dataset(dataset), sample, lang_list)
+    else:
+        records = an.sample(eval_records(split, shots=shots, langs=lang_list), sample)
+    mdl, tok = load_model(model_dir, device=device, dtype=dtype)
+    n_layers = len(decoder_layers(mdl))
+    cfg = an.LensConfig(
+        threshold=threshold,
+        window=tuple(_ints(window)) if window else None,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+    )
+    cfg.blocks(n_layers)  # fail now on a bad window, not after the first arm
+    meta: dict = {
+        "model": model_dir.name,
+        "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
+        "n_items": len(records),
+        "sample_per_lang": sample or "all",
+        "vocab_size": int(mdl.config.get_text_config().vocab_size),
+    }
+    if art is not None:
+        m = art.manifest
+        meta["artifact"] = f"{m.name}/{m.version}"
+        meta["interventions"] = {
+            iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
+            for iv in m.interventions
+        }
+
+    def write(results: dict, times: dict) -> dict:
+        meta["timings_s"] = {**times, "total": round(time.perf_counter() - t0, 1)}
+        rep = an.build_report(results, cfg, n_layers, meta)
+        an.write_report(rep, out)
+        return rep
+
+    results, times = an.run(mdl, tok, records, cfg, arm_list, art, on_arm=write)
+    rep = write(results, times)
+    for arm, r in rep["arms"].items():
+        ne, f = r["non_english"], r["non_english"]["failures"]
+        typer.echo(
+            f"{arm:12s} non-English acc {ne['accuracy']:.3f}  wrong {f['wrong']}: "
+            f"recall {f['recall']} / conversion {f['conversion']}"
+        )
+    typer.echo(f"wrote {out}/report.json, report.md, lens_*.png, failures.png")
+
+
 def _facts_langs() -> tuple[str, ...]:
     from steerserve.facts import LANGS
 
