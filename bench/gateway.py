@@ -22,8 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "The capital of France is",
@@ -62,9 +60,9 @@ class Bench:
         from steerserve.engine.api import EngineConfig
         from steerserve.server import ServerSettings, create_app
 
-        cfg = EngineConfig(
-            model=str(model), dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20
-        )
+        # As `steerserve serve` runs it: dtype auto, vLLM's multi-process executor (the caller
+        # may set VLLM_ENABLE_V1_MULTIPROCESSING=0 for a faster start).
+        cfg = EngineConfig(model=str(model), max_model_len=512, kv_cache_memory_bytes=256 << 20)
         settings = ServerSettings(
             engine=cfg, vectors_dir=None if vectors is None else str(vectors), steering="off"
         )
@@ -331,7 +329,9 @@ def main() -> None:
             b.stop()
     md = table(results, args.max_tokens)
     meta = (
-        f"`bench/gateway.py`: model `{Path(model).name}`, {args.max_tokens} greedy tokens per "
+        f"`bench/gateway.py`: model `{Path(model).name}` (dtype auto, "
+        f"VLLM_ENABLE_V1_MULTIPROCESSING={os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', '1')}), "
+        f"{args.max_tokens} greedy tokens per "
         f"request (ignore_eos), non-streaming `/v1/completions` vs `AsyncLLM.generate` on the same "
         f"engine; {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d')}, load average {load0:.1f} at start, "

@@ -497,6 +497,8 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
         None,
     ),
     ("greedy n", {"n": 3}, 400, "greedy", None),
+    ("lone surrogate", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "", None),
+    ("empty stop", {"stop": [""]}, 400, "", None),
 ]
 
 
@@ -507,8 +509,11 @@ def test_bad_input(http: httpx.Client, case: tuple[str, Any, int, str, str | Non
         r = http.post(
             "/v1/chat/completions", content=change, headers={"content-type": "application/json"}
         )
-    else:
-        r = http.post("/v1/chat/completions", json=chat_body() | change)
+    else:  # json.dumps escapes to ASCII, so even a lone surrogate reaches the server
+        body = json.dumps(chat_body() | change).encode()
+        r = http.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -522,11 +527,15 @@ def test_bad_completions_and_ab(http: httpx.Client) -> None:
     base = {"model": MODEL, "max_tokens": 4}
     for change, msg in [
         ({"prompt": [999999]}, "outside the vocabulary"),
+        ({"prompt": [[5, 6], [-1]]}, "outside the vocabulary"),
+        ({"prompt": "\ud800"}, "not valid JSON"),  # a lone surrogate: refused by the parser
+        ({"prompt": ["a"] * 129}, "at most 128"),
+        ({"prompt": []}, "must not be empty"),
         ({"prompt": "x", "logprobs": 50}, "logprobs"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x" * 600}, "maximum context length"),
     ]:
-        r = http.post("/v1/completions", json=base | change)
+        r = http.post("/v1/completions", content=json.dumps(base | change).encode())
         assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
     r = http.post("/v1/chat/completions/ab", json=chat_body(steering=False))
     assert r.status_code == 400 and r.json()["error"]["param"] == "steering"

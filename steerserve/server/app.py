@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from steerserve.engine.api import EngineConfig, Prepared
+from steerserve.engine.api import UNSTEERED, EngineConfig, Prepared
 from steerserve.server import protocol as P
 from steerserve.server.engine import (
     ServingEngine,
@@ -176,7 +176,10 @@ class ServerState:
     async def steer(self, raw: Any, text: str, force: bool = False) -> tuple[Decision, Prepared]:
         lang = None
         if self.policy.mode_of(raw) == "auto":
-            lang = await asyncio.to_thread(self.policy.detector.detect, text)
+            try:
+                lang = await asyncio.to_thread(self.policy.detector.detect, text)
+            except Exception:  # undetectable text: "unsure", which auto treats as English
+                lang = None
         decision = self.policy.resolve(raw, language=lang, force=force)
         try:
             prepared = self.engine.prepare(list(decision.entries) or None)
@@ -451,7 +454,7 @@ async def _chat(request: Request, ab: bool) -> Response:
 
             async def both() -> tuple[P.ChatCompletion, P.ChatCompletion]:
                 async with asyncio.TaskGroup() as tg:
-                    a = tg.create_task(one(Prepared((), {}, None), off, "unsteered", rid + "-a"))
+                    a = tg.create_task(one(UNSTEERED, off, "unsteered", rid + "-a"))
                     b = tg.create_task(one(prepared, decision, "steered", rid + "-b"))
                 return a.result(), b.result()
 
@@ -582,22 +585,7 @@ async def _completions(request: Request) -> Response:
     s.check(req.model)
     if req.echo and req.logprobs is not None:
         raise ApiError("echo: cannot be combined with logprobs", param="echo")
-    p = req.prompt
-    if isinstance(p, str):
-        prompts: list[list[int]] = [s.engine.encode(p)]
-        texts = [p]
-    elif p and all(isinstance(x, str) for x in p):
-        prompts, texts = [s.engine.encode(x) for x in p], list(p)  # type: ignore[arg-type]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[list-item]
-        texts = [s.engine.decode(prompts[0])]
-    else:
-        prompts = [list(x) for x in p]  # type: ignore[arg-type]
-        texts = [s.engine.decode(x) for x in prompts]
-    if not prompts:
-        raise ApiError("prompt: must not be empty", param="prompt")
-    for ids in prompts:
-        s.engine.check_ids(ids, "prompt")
+    prompts, texts = _completion_prompts(s, req.prompt)
     decision, prepared = await s.steer(req.steering, "\n".join(texts))
     call.arm = "steered" if prepared.steered else "unsteered"
     from vllm.sampling_params import RequestOutputKind
@@ -667,6 +655,34 @@ async def _completions(request: Request) -> Response:
         steering=info,
     )
     return _json(res, headers)
+
+
+MAX_PROMPTS = 128
+
+
+def _completion_prompts(
+    s: ServerState, p: str | list[str] | list[int] | list[list[int]]
+) -> tuple[list[list[int]], list[str]]:
+    """Token ids and texts of a completions ``prompt`` (a string, strings, ids or lists of ids);
+    ids are checked against the vocabulary before anything decodes them."""
+    if isinstance(p, str):
+        p = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        p = [p]  # type: ignore[list-item]
+    if not p:
+        raise ApiError("prompt: must not be empty", param="prompt")
+    if len(p) > MAX_PROMPTS:
+        raise ApiError(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+    if isinstance(p[0], str):
+        texts = list(p)  # type: ignore[arg-type]
+        try:
+            return [s.engine.encode(t) for t in texts], texts
+        except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
+            raise ApiError(f"prompt: cannot be tokenized: {e}", param="prompt") from None
+    prompts = [list(x) for x in p]  # type: ignore[arg-type]
+    for ids in prompts:
+        s.engine.check_ids(ids, "prompt")
+    return prompts, [s.engine.decode(ids) for ids in prompts]
 
 
 async def _completion_stream(

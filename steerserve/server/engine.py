@@ -159,7 +159,9 @@ class ServingEngine:
         vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise ApiError(
+                f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param
+            )
 
     def prepare(self, entries: Sequence[Any] | None) -> Prepared:
         return self.admission.prepare(entries)
