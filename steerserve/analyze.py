@@ -169,6 +169,7 @@ def lens_and_greedy(
     enc = [tokenizer(p)["input_ids"] for p in prompts]
     b, width = len(enc), max(len(e) for e in enc)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = tokenizer.eos_token_id
     ids = torch.full((b, width), pad, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     for r, e in enumerate(enc):  # left padding: every last prompt token sits in column -1
@@ -210,7 +211,7 @@ def lens_and_greedy(
                 nxt = out.logits[:, -1].argmax(-1).cpu()
                 for r in range(b):
                     gen[r].append(int(nxt[r]))
-                done = all("\n" in tokenizer.decode(g) for g in gen)
+                done = all(eos in g or "\n" in tokenizer.decode(g) for g in gen)
                 if done or step == max_tokens - 1:
                     break
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
@@ -226,7 +227,8 @@ def lens_and_greedy(
             for hd in handles:
                 hd.remove()
     hidden = torch.stack([c for c in captured if c is not None], 1)
-    return hidden, [tokenizer.decode(g, skip_special_tokens=True) for g in gen]
+    cut = [g[: g.index(eos)] if eos in g else g for g in gen]  # nothing after end of sequence
+    return hidden, [tokenizer.decode(g, skip_special_tokens=True) for g in cut]
 
 
 def analyze_arm(
@@ -284,6 +286,16 @@ def _nanmedian(rows: list[np.ndarray]) -> list[float | None]:
     return [None if math.isnan(x) else float(x) for x in m]
 
 
+def _above(items: Sequence[Item]) -> list[float | None]:
+    """Per lens point, the share of items whose English answer outranks the target answer (the
+    English pivot); items whose two answers share a first token say nothing and are left out."""
+    rows = [(it.en_rank, it.tgt_rank) for it in items]
+    rows = [(e, t) for e, t in rows if not (np.isnan(e).all() or np.isnan(t).all())]
+    if not rows:
+        return []
+    return np.mean([e < t for e, t in rows], 0).tolist()
+
+
 def first_layer(ranks: np.ndarray, threshold: int) -> int | None:
     """First block whose output ranks the token <= threshold (-1: the embeddings)."""
     hit = np.nonzero(ranks <= threshold)[0]
@@ -311,6 +323,7 @@ def summarise(items: Sequence[Item], threshold: int) -> dict[str, Any]:
         "median_rank_target": _nanmedian([it.tgt_rank for it in items]),
         "mean_prob_en": np.mean([it.en_prob for it in items], 0).tolist() if n else [],
         "mean_prob_target": np.mean([it.tgt_prob for it in items], 0).tolist() if n else [],
+        "en_above_target_share": _above([it for it in items if not it.shared_first_token]),
         "en_formed_share": len(en_first_ok) / n if n else 0.0,
         "en_first_layer_median": float(np.median(en_first_ok)) if en_first_ok else None,
         "failures": {
@@ -357,7 +370,16 @@ def build_report(
         if arm != "none" and "none" in results:
             a["vs_none"] = transitions(results["none"], items)
         a["items"] = [
-            {"id": it.id, "answer": it.answer, "class": it.cls, "english": it.english}
+            {
+                "id": it.id,
+                "answer": it.answer,
+                "class": it.cls,
+                "english": it.english,
+                "lang": it.lang,
+                "shared_first_token": it.shared_first_token,
+                "en_rank": [None if math.isnan(x) else int(x) for x in it.en_rank],
+                "target_rank": [None if math.isnan(x) else int(x) for x in it.tgt_rank],
+            }
             for it in items
         ]
         arms[arm] = a
@@ -436,6 +458,99 @@ def _rk(x: float | None) -> str:
     return "–" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.1f}"
 
 
+def _first_below(ranks: Sequence[float | None], threshold: float) -> int | None:
+    """First block whose median rank is <= threshold (-1: embeddings)."""
+    for i, r in enumerate(ranks):
+        if r is not None and r <= threshold:
+            return i - 1
+    return None
+
+
+SENSITIVITY: tuple[int, ...] = (1, 3, 10, 30, 100)
+
+
+def sensitivity(rep: Mapping[str, Any], arm: str) -> list[dict[str, Any]]:
+    """Conversion share of wrong non-English answers at other thresholds, from the per-item
+    ranks in the report; also over items whose English and target first tokens differ."""
+    lo, hi = rep["window"]
+    wrong = []
+    for it in rep["arms"][arm]["items"]:
+        lang = it.get("lang", it["id"].rsplit(":", 1)[-1])
+        if lang == "en" or it["class"] in ("correct", "unknown"):
+            continue
+        w = [r for r in it["en_rank"][lo + 1 : hi + 2] if r is not None]
+        shared = it.get("shared_first_token", it["en_rank"] == it["target_rank"])
+        wrong.append((min(w) if w else math.inf, shared))
+    rows = []
+    for th in SENSITIVITY:
+        conv = [r <= th for r, _ in wrong]
+        dist = [r <= th for r, sh in wrong if not sh]
+        rows.append(
+            {
+                "threshold": th,
+                "n_wrong": len(conv),
+                "conversion_share": sum(conv) / len(conv) if conv else None,
+                "n_distinct": len(dist),
+                "conversion_share_distinct": sum(dist) / len(dist) if dist else None,
+            }
+        )
+    return rows
+
+
+def findings(rep: Mapping[str, Any]) -> list[str]:
+    """The report's headline numbers as sentences, computed (not written by hand)."""
+    arms, th = rep["arms"], rep["threshold"]
+    base = "none" if "none" in arms else next(iter(arms))
+    ne = arms[base]["non_english"]
+    f = ne["failures"]
+    out = []
+    e1, t1 = _first_below(ne["median_rank_en"], th), _first_below(ne["median_rank_target"], th)
+    e_top, t_top = _first_below(ne["median_rank_en"], 1), _first_below(ne["median_rank_target"], 1)
+    ab = ne["en_above_target_share"]
+    last = len(ne["median_rank_en"]) - 1
+    formed = [i for i, r in enumerate(ne["median_rank_en"][:last]) if r is not None and r <= 100]
+    span = [ab[i] for i in formed if ab and ab[i] is not None]
+
+    def blk(b: int | None) -> str:
+        return "never" if b is None else str(b)
+
+    out.append(
+        f"- Arm `{base}`, {ne['n']} non-English items: the median English answer first reaches "
+        f"rank <= {th} at block {blk(e1)} (top-1: {blk(e_top)}); the target answer at block "
+        f"{blk(t1)} (top-1: {blk(t_top)})."
+    )
+    if span:
+        out.append(
+            f"- Where the median English answer is within rank 100 before the last block (blocks "
+            f"{formed[0] - 1}..{formed[-1] - 1}), it outranks the target answer in {_pct(min(span))}–"
+            f"{_pct(max(span))} % of items (first tokens differing); at the last block in "
+            f"{_pct(ab[-1])} %. (Before the answer forms, English tokens outrank others by "
+            "frequency alone, so early-layer shares say little.)"
+        )
+    if f["wrong"]:
+        out.append(
+            f"- {f['wrong']} wrong non-English answers: {_pct(f['recall_share'])} % recall "
+            f"failures, {_pct(f['conversion_share'])} % conversion failures (paper: "
+            f"{_pct(PAPER_SPLIT['recall'])} % / {_pct(PAPER_SPLIT['conversion'])} %); "
+            f"{f['answered_in_english']} of the conversion failures were answered in English; "
+            f"{f['unknown']} unclassifiable."
+        )
+    for a, r in arms.items():
+        if a == base:
+            continue
+        s, t = r["non_english"], r.get("vs_none", {})
+        out.append(
+            f"- `{a}`: accuracy {_pct(ne['accuracy'])} → {_pct(s['accuracy'])} %, answered in "
+            f"English {_pct(ne['english_rate'])} → {_pct(s['english_rate'])} %, recall-any "
+            f"{_pct(ne['recall_any'])} → {_pct(s['recall_any'])} %; recall failures "
+            f"{f['recall']} → {s['failures']['recall']}, conversion failures {f['conversion']} → "
+            f"{s['failures']['conversion']}; English answer first at rank <= {th} (median block) "
+            f"{ne['en_first_layer_median']} → {s['en_first_layer_median']}"
+            + (f"; fixed {t['fixed']}, broken {t['broken']}." if t else ".")
+        )
+    return out
+
+
 def report_markdown(rep: Mapping[str, Any]) -> str:
     """Tables: rank by layer (pooled and per language), failure split, what steering moves."""
     arms = rep["arms"]
@@ -458,16 +573,25 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         "informative English first token). Arms add the artifact's interventions with transformers "
         "hooks at their layer, scale and positions.",
         "",
+        "## Findings (computed)",
+        "",
+        *findings(rep),
+        "",
         "## Median rank by layer, non-English items pooled (English answer / target answer)",
         "",
-        "| block | " + " | ".join(f"{a}: en | {a}: target" for a in arms) + " |",
-        "|---|" + "---|---|" * len(arms),
+        "*en > target*: share of items (first tokens differ) whose English answer outranks the "
+        "target answer at that point.",
+        "",
+        "| block | " + " | ".join(f"{a}: en | {a}: target | {a}: en > target" for a in arms) + " |",
+        "|---|" + "---|---|---|" * len(arms),
     ]
     for i, p in enumerate(pts):
         cells = []
         for a in arms:
             ne = arms[a]["non_english"]
+            ab = ne["en_above_target_share"]
             cells += [_rk(ne["median_rank_en"][i]), _rk(ne["median_rank_target"][i])]
+            cells.append(f"{_pct(ab[i])} %" if ab else "–")
         L.append(f"| {p} | " + " | ".join(cells) + " |")
     base = "none" if "none" in arms else next(iter(arms))
     per = arms[base]["per_language"]
@@ -508,6 +632,20 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
             f"| {g} | {s['n']} | {_pct(s['accuracy'])} | {f['wrong']} | {f['recall']} | "
             f"{f['conversion']} | {f['unknown']} | {_pct(f['recall_share'])} | "
             f"{_pct(f['conversion_share'])} | {f['answered_in_english']} |"
+        )
+    L += [
+        "",
+        f"Sensitivity (arm `{base}`): conversion share of the wrong non-English answers if the "
+        f"threshold were another rank (window {lo}..{hi}); *distinct*: only items whose English "
+        "and target answers start with different tokens.",
+        "",
+        "| threshold | wrong | conversion % | distinct | conversion % (distinct) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in sensitivity(rep, base):
+        L.append(
+            f"| {row['threshold']} | {row['n_wrong']} | {_pct(row['conversion_share'])} | "
+            f"{row['n_distinct']} | {_pct(row['conversion_share_distinct'])} |"
         )
     L += [
         "",

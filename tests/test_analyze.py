@@ -119,10 +119,29 @@ def test_summary_and_transitions_on_known_items() -> None:
     assert s["accuracy"] == pytest.approx(1 / 3) and s["english_rate"] == pytest.approx(1 / 3)
     assert s["median_rank_en"] == [900, 800, 700, 3, 500]
     assert s["en_first_layer_median"] == 2  # both first reach rank <= 10 at lens index 3
+    assert s["en_above_target_share"] == [0.0] * 5  # target == English ranks in these items
+    pivot = _item("fr", True, [5, 5, 5, 5, 5])
+    pivot.tgt_rank = np.array([1.0, 9, 9, 5, 1])
+    assert an.summarise([pivot], 10)["en_above_target_share"] == [0, 1, 1, 0, 0]
+    pivot.shared_first_token = True  # the same token for both answers: left out
+    assert an.summarise([pivot], 10)["en_above_target_share"] == []
     fixed_recall = _item("fr", True, [900, 800, 700, 600, 1])
     t = an.transitions([recall, conversion, english], [fixed_recall, conversion, english])
     assert t["fixed"] == 1 and t["recall_fixed"] == 1 and t["conversion_fixed"] == 0
     assert t["broken"] == 0 and t["from_english"] == 0
+
+
+def test_sensitivity_recomputes_the_split_from_item_ranks() -> None:
+    items = [  # window blocks 1..2 = lens indices 2..3; index 0 (embeddings) is outside
+        {"id": "a:fr", "class": "recall", "en_rank": [1, 500, 40, 200], "target_rank": [1] * 4},
+        {"id": "b:fr", "class": "conversion", "en_rank": [1, 500, 2, 300], "target_rank": [1] * 4},
+        {"id": "c:fr", "class": "correct", "en_rank": [1] * 4, "target_rank": [1] * 4},
+        {"id": "d:en", "class": "recall", "en_rank": [999] * 4, "target_rank": [999] * 4},
+    ]
+    rep = {"window": [1, 2], "arms": {"none": {"items": items}}}
+    rows = {r["threshold"]: r for r in an.sensitivity(rep, "none")}
+    assert [rows[t]["conversion_share"] for t in an.SENSITIVITY] == [0.0, 0.5, 0.5, 0.5, 1.0]
+    assert rows[10]["n_wrong"] == 2 and rows[10]["n_distinct"] == 2
 
 
 def test_first_tokens_in_context(tiny) -> None:
@@ -171,7 +190,8 @@ def test_greedy_matches_reference_and_lens_sees_steering(tiny, positions: str | 
     hidden, texts = an.lens_and_greedy(model, tok, PROMPTS, 5, entries, {"v": v})
     for p, text in zip(PROMPTS, texts, strict=True):
         ids, _ = greedy(model, tok(p)["input_ids"], 5, entries, {"v": v})
-        assert text.split("\n")[0] == tok.decode(ids).split("\n")[0]
+        ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
+        assert text.split("\n")[0] == tok.decode(ids, skip_special_tokens=True).split("\n")[0]
     if positions == "last_prompt_and_generated":  # only the last token moves: block 1 exactly
         base, _ = an.lens_and_greedy(model, tok, PROMPTS, 1)
         assert torch.allclose(hidden[:, :2], base[:, :2], atol=1e-5)  # emb, block 0
@@ -208,7 +228,9 @@ def test_run_report_and_plots(tiny, tiny_gemma: Path, tmp_path: Path) -> None:
     assert "vs_none" in rep["arms"]["both"] and "vs_none" not in rep["arms"]["none"]
     out = an.write_report(json.loads(json.dumps(rep)), tmp_path / "rep")  # JSON-safe
     md = (out / "report.md").read_text()
-    assert "## Failure breakdown" in md and "| both |" in md
+    assert "## Failure breakdown" in md and "| both |" in md and "## Findings" in md
+    conv = [r["conversion_share"] for r in an.sensitivity(rep, "none")]
+    assert all(a is None or a <= b for a, b in zip(conv, conv[1:], strict=False))
     import matplotlib.image as mpimg
 
     for name in ("lens_none", "lens_recall", "lens_both", "lens_random", "lens_arms", "failures"):
