@@ -37,6 +37,7 @@ class Run:
     tokens: int
     wall: float
     batch_p50: list[float] = field(default_factory=list)  # per batch, for paired ratios
+    cpu: float = 0.0  # CPU seconds of the API process (server + AsyncLLM front end)
 
     def p(self, q: float) -> float:
         xs = sorted(self.latencies)
@@ -206,12 +207,13 @@ def measure(
         k = min(concurrency, n - start)
         prompts = [PROMPTS[(start + j) % len(PROMPTS)] for j in range(k)]
         for path in ("server", "direct") if i % 2 == 0 else ("direct", "server"):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if path == "server":
                 res = client.batch(prompts, steered)
             else:
                 res = asyncio.run(direct_batch(prompts))
             runs[path].wall += time.perf_counter() - t0
+            runs[path].cpu += time.process_time() - c0
             runs[path].latencies += [r[0] for r in res]
             runs[path].tokens += sum(r[1] for r in res)
             runs[path].batch_p50.append(statistics.median(r[0] for r in res))
@@ -260,7 +262,7 @@ def _tiny(tmp: Path) -> tuple[Path, Path]:
 def table(results: list[tuple[str, int, dict[str, Run]]], max_tokens: int) -> str:
     head = (
         "| workload | concurrency | path | p50 ms | p95 ms | tokens/s | p50 ratio | paired p50 ratio "
-        "| tok/s ratio |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| tok/s ratio | API CPU ms/req |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for name, conc, runs in results:
@@ -271,7 +273,8 @@ def table(results: list[tuple[str, int, dict[str, Run]]], max_tokens: int) -> st
             tput = f"{s.tok_s / d.tok_s:.3f}" if r is s else ""
             rows.append(
                 f"| {name} | {conc} | {path} | {r.p50 * 1e3:.1f} | {r.p(0.95) * 1e3:.1f} "
-                f"| {r.tok_s:.0f} | {ratio} | {paired} | {tput} |"
+                f"| {r.tok_s:.0f} | {ratio} | {paired} | {tput} "
+                f"| {r.cpu / len(r.latencies) * 1e3:.2f} |"
             )
     return head + "\n".join(rows) + "\n"
 
@@ -336,7 +339,9 @@ def main() -> None:
         f"engine; {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{time.strftime('%Y-%m-%d')}, load average {load0:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end. Ratio = server / direct (target p50 ratio <= 1.05); "
-        "the paired ratio is the median over adjacent batch pairs, robust to background load."
+        "the paired ratio is the median over adjacent batch pairs, robust to background load; "
+        "API CPU = CPU time of the process holding the server and AsyncLLM's front end per "
+        "request (the engine core runs in its own process; the HTTP client too)."
     )
     print(meta + "\n\n" + md)
     if args.write_docs:
