@@ -435,16 +435,29 @@ def run(
     return results, times
 
 
-def sample(records: Sequence[dict], n: int, langs: Sequence[str] | None = None) -> list[dict]:
-    """The first ``n`` records of each language (0: all), optionally only ``langs``."""
-    seen: dict[str, int] = {}
-    out = []
+def sample(
+    records: Sequence[dict], n: int, langs: Sequence[str] | None = None, seed: int = 0
+) -> list[dict]:
+    """A seeded random ``n`` records per language (0: all), kept in file order.
+
+    The built-in facts are ordered by prominence, so the first N would be the easiest; the same
+    positions are drawn for every language of equal size, so translations stay aligned.
+    """
+    import random
+
+    by: dict[str, list[dict]] = {}
     for r in records:
-        if (langs and r["lang"] not in langs) or (n and seen.get(r["lang"], 0) >= n):
-            continue
-        seen[r["lang"]] = seen.get(r["lang"], 0) + 1
-        out.append(r)
-    return out
+        if not langs or r["lang"] in langs:
+            by.setdefault(r["lang"], []).append(r)
+    keep: set[int] = set()
+    for rs in by.values():
+        pos = (
+            range(len(rs))
+            if not n or n >= len(rs)
+            else random.Random(seed).sample(range(len(rs)), n)
+        )
+        keep |= {id(rs[i]) for i in pos}
+    return [r for r in records if id(r) in keep]
 
 
 # --- report -----------------------------------------------------------------------------------

@@ -520,8 +520,9 @@ def analyze(
     split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
     shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
     sample: int = typer.Option(
-        12, help="First N items per language (relations interleaved); 0: all."
+        12, help="Seeded random N items per language (same positions in every language); 0: all."
     ),
+    seed: int = typer.Option(0, help="Seed of the --sample draw."),
     langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
     artifact: Path | None = typer.Option(
         None,
@@ -580,9 +581,9 @@ def analyze(
         arm_list = ("none",)
     lang_list = None if langs == "all" else _strs(langs)
     if dataset is not None:
-        records = an.sample(read_dataset(dataset), sample, lang_list)
+        records = an.sample(read_dataset(dataset), sample, lang_list, seed)
     else:
-        records = an.sample(eval_records(split, shots=shots, langs=lang_list), sample)
+        records = an.sample(eval_records(split, shots=shots, langs=lang_list), sample, seed=seed)
     mdl, tok = load_model(model_dir, device=device, dtype=dtype)
     n_layers = len(decoder_layers(mdl))
     cfg = an.LensConfig(
@@ -597,6 +598,7 @@ def analyze(
         "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
         "n_items": len(records),
         "sample_per_lang": sample or "all",
+        "sample_seed": seed,
         "vocab_size": int(mdl.config.get_text_config().vocab_size),
     }
     if art is not None:

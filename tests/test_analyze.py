@@ -239,10 +239,19 @@ def test_run_report_and_plots(tiny, tiny_gemma: Path, tmp_path: Path) -> None:
         assert png.stat().st_size > 5000 and img.shape[0] > 200 and img.std() > 0.05
 
 
-def test_sample_takes_first_n_per_language() -> None:
-    recs = _records(3)
-    assert [r["id"] for r in an.sample(recs, 2)] == ["0:en", "0:fr", "1:en", "1:fr"]
-    assert [r["id"] for r in an.sample(recs, 0, ["fr"])] == ["0:fr", "1:fr", "2:fr"]
+def test_sample_draws_the_same_positions_in_every_language() -> None:
+    recs = _records(6)
+    got = an.sample(recs, 2, seed=3)
+    ids = [r["id"] for r in got]
+    assert len(ids) == 4 and ids == [r["id"] for r in recs if r["id"] in ids]  # file order
+    en = [i.split(":")[0] for i in ids if i.endswith(":en")]
+    fr = [i.split(":")[0] for i in ids if i.endswith(":fr")]
+    assert en == fr  # translations stay aligned
+    assert an.sample(recs, 2, seed=3) == got
+    draws = {tuple(r["id"] for r in an.sample(recs, 2, seed=k)) for k in range(8)}
+    assert len(draws) > 1  # random, not the first N (the facts are ordered by prominence)
+    assert [r["id"] for r in an.sample(recs, 0, ["fr"])] == [f"{i}:fr" for i in range(6)]
+    assert len(an.sample(recs, 99)) == len(recs)
 
 
 def test_cli_analyze(tiny_gemma: Path, tmp_path: Path) -> None:
