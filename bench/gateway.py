@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import threading
@@ -279,18 +280,35 @@ def table(results: list[tuple[str, int, dict[str, Run]]], max_tokens: int) -> st
     return head + "\n".join(rows) + "\n"
 
 
-def write_docs(md: str, meta: str) -> None:
+GATEWAY_INTRO = (
+    "## Gateway\n\n"
+    "What the HTTP layer costs: `bench/gateway.py` sends the same requests through "
+    "`steerserve serve`'s app and straight into its `AsyncLLM` (one engine), alternating "
+    "batches. Target: p50 ratio <= 1.05. One subsection per model; rerun with `--write-docs`.\n"
+)
+
+
+def write_docs(model: str, meta: str, md: str) -> None:
+    """Put this run under ``## Gateway`` / ``### <model>`` in docs/benchmarks.md (other sections
+    and other models' runs are kept)."""
     path = ROOT / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"## Gateway\n\n{meta}\n\n{md}"
-    if "## Gateway" in text:
-        start = text.index("## Gateway")
-        nxt = text.find("\n## ", start + 1)
-        text = text[:start] + section + ("" if nxt < 0 else text[nxt:])
+    if "## Gateway" not in text:
+        text = text.rstrip("\n") + "\n\n" + GATEWAY_INTRO
+    start = text.index("## Gateway")
+    end = text.find("\n## ", start + 1)
+    end = len(text) if end < 0 else end + 1
+    subs = re.split(r"(?m)^(?=### )", text[start:end])  # [intro, "### a ...", "### b ...", ...]
+    new = f"### {model}\n\n{meta}\n\n{md.strip()}\n"
+    found = [i for i, part in enumerate(subs) if part.startswith(f"### {model}\n")]
+    if found:
+        subs[found[0]] = new
     else:
-        text = text.rstrip("\n") + "\n\n" + section
+        subs.append(new)
+    section = "\n".join(part.strip("\n") + "\n" for part in subs)
+    rest = text[end:]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(text[:start] + section + ("\n" + rest if rest else ""))
 
 
 def main() -> None:
@@ -345,7 +363,7 @@ def main() -> None:
     )
     print(meta + "\n\n" + md)
     if args.write_docs:
-        write_docs(md, meta)
+        write_docs(Path(model).name, meta, md)
 
 
 if __name__ == "__main__":
