@@ -262,6 +262,26 @@ def test_chat_stream_equals_non_stream(oai: openai.OpenAI, http: httpx.Client) -
         assert chunks[-1].usage.prompt_tokens == full["usage"]["prompt_tokens"]
 
 
+def test_chat_stream_n_choices(oai: openai.OpenAI, http: httpx.Client) -> None:
+    kw = {"temperature": 1.0, "seed": 11, "n": 2, "max_tokens": 6}
+    full = chat(http, FR, steering=True, **kw)
+    texts = {0: "", 1: ""}
+    finish = {}
+    for chunk in oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": FR}],
+        stream=True,
+        extra_body={"steering": True, "ignore_eos": True},
+        **kw,
+    ):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in full["choices"]]
+    assert finish == {0: "length", 1: "length"}
+
+
 def test_sse_framing_httpx(http: httpx.Client) -> None:
     with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as r:
         assert r.status_code == 200
