@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,6 @@ import torch
 
 from steerserve import __version__
 from steerserve.facts import (
-    ANSWER_SEP,
     LANGS,
     RELATIONS,
     Fact,
@@ -311,12 +310,7 @@ def summary(c: Candidates) -> list[dict[str, Any]]:
     return rows
 
 
-def languages_used(c: Candidates) -> Iterable[str]:
-    return c.meta.get("config", {}).get("langs", [])
-
-
 __all__ = [
-    "ANSWER_SEP",
     "Candidates",
     "ExtractConfig",
     "extract",
