@@ -4,21 +4,20 @@ Arms, same prompts, greedy, fixed output length:
 * ``absent``  — a stock engine (no ``Steered<Arch>``; the plugin plays no part);
 * ``idle``    — the steered engine, no request steered;
 * ``steered`` — the same engine, every request steered with 2 entries.
-``idle`` and ``steered`` alternate on one engine; ``absent`` runs before and after on its own
-engine (one engine at a time fits this machine), so drift shows up. Also measures the front-end
+``idle`` and ``steered`` alternate on one engine; the stock and the plugin engine alternate
+(one engine at a time fits this machine), so drift hits every arm alike. Also measures the front-end
 admission cost per request (validation + encoding + salt).
 
-    python bench/overhead.py [--model PATH] [--rounds 5] [--batch 32] [--tokens 64]
+    python bench/overhead.py [--model PATH] [--cycles 2] [--rounds 3] [--batch 32] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's default multi-process mode, as served: single-process mode runs the CPU model far slower.
 
 
 def _prompts(n: int) -> list[str]:
@@ -73,7 +72,8 @@ def _entries(eng) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="timed batches per engine start")
+    ap.add_argument("--cycles", type=int, default=2, help="absent/plugin engine alternations")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
@@ -113,23 +113,30 @@ def main() -> None:
             res["absent"].append(_tps(eng, prompts, None, sp))
         eng.shutdown()
 
-    run_absent()
-    eng = build(True)
-    g = torch.Generator().manual_seed(0)
-    for name in ("bench/a", "bench/b"):
-        eng.register_vector(name, torch.randn(eng.shape.hidden_size, generator=g))
-    steering = [_entries(eng)] * len(prompts)
-    _tps(eng, prompts, None, sp)
-    _tps(eng, prompts, steering, sp)
-    for _ in range(args.rounds):
-        res["idle"].append(_tps(eng, prompts, None, sp))
-        res["steered"].append(_tps(eng, prompts, steering, sp))
-    admission = _admission_us(eng)
-    eng.shutdown()
-    run_absent()
+    def run_plugin() -> float:
+        eng = build(True)
+        g = torch.Generator().manual_seed(0)
+        for name in ("bench/a", "bench/b"):
+            eng.register_vector(name, torch.randn(eng.shape.hidden_size, generator=g))
+        steering = [_entries(eng)] * len(prompts)
+        _tps(eng, prompts, None, sp)
+        _tps(eng, prompts, steering, sp)
+        for _ in range(args.rounds):
+            res["idle"].append(_tps(eng, prompts, None, sp))
+            res["steered"].append(_tps(eng, prompts, steering, sp))
+        admission = _admission_us(eng)
+        eng.shutdown()
+        return admission
+
+    for _ in range(args.cycles):  # engines alternate so that drift hits both arms alike
+        run_absent()
+        admission = run_plugin()
 
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"\nmodel {model}; batch {args.batch} x {args.tokens} new tokens; rounds {args.rounds};")
+    print(
+        f"\nmodel {model}; batch {args.batch} x {args.tokens} new tokens; "
+        f"{args.cycles} cycles x {args.rounds} rounds;"
+    )
     print(
         f"{'compiled' if args.compile else 'eager'}; prefix caching off; torch threads "
         f"{torch.get_num_threads()}\n"
