@@ -417,6 +417,7 @@ def calibrate(
         result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
     finally:
         eng.shutdown()
+    result["prompts"] = f"calibration split, {shots}-shot, greedy, <= {max_tokens} tokens"
     result["timings_s"] = {
         "extract": cands.meta.get("total_seconds"),
         "engine_start": round(t_engine, 1),
