@@ -525,12 +525,12 @@ def findings(rep: Mapping[str, Any]) -> list[str]:
     span = [ab[i] for i in formed if ab and ab[i] is not None]
 
     def blk(b: int | None) -> str:
-        return "never" if b is None else str(b)
+        return "never" if b is None else f"at block {b}"
 
     out.append(
-        f"- Arm `{base}`, {ne['n']} non-English items: the median English answer first reaches "
-        f"rank <= {th} at block {blk(e1)} (top-1: {blk(e_top)}); the target answer at block "
-        f"{blk(t1)} (top-1: {blk(t_top)})."
+        f"- Arm `{base}`, {ne['n']} non-English items: the median English answer reaches rank "
+        f"<= {th} {blk(e1)} (top-1: {blk(e_top)}); the median target answer {blk(t1)} (top-1: "
+        f"{blk(t_top)})."
     )
     if span:
         out.append(
