@@ -314,14 +314,46 @@ def build_artifact(
     return save_artifact(out_dir, manifest, tensors, overwrite=overwrite)
 
 
-def calib_records(per_lang: int = 10, en_items: int = 30, shots: int = 3) -> list[dict]:
+def calib_records(
+    per_lang: int = 10, en_items: int = 30, shots: int = 3, offset: int = 0
+) -> list[dict]:
     """Calibration-split items: ``per_lang`` per non-English language, more English (the guard
-    on English needs more than a handful of items to mean anything)."""
+    on English needs more than a handful of items to mean anything), from the ``offset``-th
+    fact of each language on (so two calls with disjoint ranges give disjoint fact sets)."""
     from steerserve.facts import LANGS, eval_records
 
-    out = eval_records("calib", shots=shots, langs=["en"], limit_per_lang=en_items)
+    kw = dict(split="calib", shots=shots, offset_per_lang=offset)
+    out = eval_records(langs=["en"], limit_per_lang=en_items, **kw)
     non_en = [lang for lang in LANGS if lang != "en"]
-    return out + eval_records("calib", shots=shots, langs=non_en, limit_per_lang=per_lang)
+    return out + eval_records(langs=non_en, limit_per_lang=per_lang, **kw)
+
+
+def confirm(
+    engine: Any,
+    cands: Candidates,
+    result: dict[str, Any],
+    records: Sequence[dict],
+    max_tokens: int = 8,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Re-run the baseline and the chosen pair on held-out calibration facts.
+
+    A sweep over many configurations on the same items picks the luckiest; this is the unbiased
+    check of the winner. Stored under ``result["holdout"]``; the choice itself is not changed."""
+    winner: Row = result["_winner"]
+    sw = Sweep(engine, cands, records, max_tokens, log)
+    base = sw.run("holdout", None, None)
+    row = sw.run("holdout", winner.recall, winner.translation)
+    gain = row.non_en - base.non_en
+    result["holdout"] = {
+        "n_items": len(records),
+        "baseline": base.as_dict(),
+        "chosen": row.as_dict(),
+        "non_en_gain": round(gain, 4),
+        "en_change": round(row.en - base.en, 4),
+        "confirms": gain > 0 and feasible(row, base, result["grid"]["max_en_drop"]),
+    }
+    return result
 
 
 def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
@@ -344,6 +376,14 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
         f"answered in English {b['english_rate']:.3f}",
         f"- chosen: recall {_fmt_d(result['chosen']['recall'])}, translation "
         f"{_fmt_d(result['chosen']['translation'])} (feasible: {result['feasible']})",
+    ]
+    if h := result.get("holdout"):
+        lines.append(
+            f"- held-out check ({h['n_items']} other calibration facts): non-English "
+            f"{h['baseline']['non_en']:.3f} -> {h['chosen']['non_en']:.3f}, English "
+            f"{h['baseline']['en']:.3f} -> {h['chosen']['en']:.3f} (confirms: {h['confirms']})"
+        )
+    lines += [
         "",
         "| stage | recall | translation | non-en acc | en acc | en-rate | recall-any | s |",
         "|---|---|---|---|---|---|---|---|",

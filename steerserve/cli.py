@@ -378,6 +378,11 @@ def calibrate(
     kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
+    holdout: int = typer.Option(
+        0,
+        help="Calibration facts per language (English included), after the sweep's, on which "
+        "the chosen pair is re-checked against the baseline (0: no check).",
+    ),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
     summary_dir: Path = typer.Option(
         Path("docs/results"), help="Where calibration.md / calibration.json go."
@@ -415,6 +420,9 @@ def calibrate(
     t_engine = time.perf_counter() - t0
     try:
         result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
+        if holdout:
+            held = cal.calib_records(holdout, holdout, shots, offset=max(per_lang, en_items))
+            cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
     finally:
         eng.shutdown()
     result["prompts"] = f"calibration split, {shots}-shot, greedy, <= {max_tokens} tokens"
@@ -430,6 +438,8 @@ def calibrate(
     w = result["chosen"]
     typer.echo(f"wrote {art.path}: chosen {w['recall']} + {w['translation']}")
     typer.echo(f"calib non-English {w['non_en']:.3f} (baseline {result['baseline']['non_en']:.3f})")
+    if h := result.get("holdout"):
+        typer.echo(f"held-out non-English gain {h['non_en_gain']:+.3f} (confirms: {h['confirms']})")
 
 
 @app.command("eval")
@@ -444,7 +454,8 @@ def eval_cmd(
     ),
     arms: str = typer.Option(
         "baseline,both,random,recall,translation",
-        help="Comma-separated arms (run in this order; the report is rewritten after each).",
+        help="Comma-separated arms (each chunk of records runs them in this order; the report "
+        "is rewritten after each chunk).",
     ),
     limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
     shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
@@ -489,18 +500,19 @@ def eval_cmd(
         },
     }
 
-    def write(results: dict, times: dict) -> dict:
+    def write(done: int, results: dict, times: dict) -> dict:
         meta["timings_s"] = {"engine_start": round(t_engine, 1), **times}
         meta["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
-        report = ev.build_report(records, results, meta)
+        meta["n_done"] = done
+        report = ev.build_report(records[:done], results, meta)
         ev.write_report(report, out)
         return report
 
     try:
-        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens, on_arm=write)
+        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens, on_chunk=write)
     finally:
         eng.shutdown()
-    report = write(results, times)
+    report = write(len(records), results, times)
     for arm, a in report["arms"].items():
         typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
     typer.echo(f"wrote {out}/report.json, report.md, accuracy.png")

@@ -443,30 +443,37 @@ def evaluate(
     arms: Sequence[str] = ARMS,
     max_tokens: int = 8,
     keep_texts: bool = False,
-    on_arm: Callable[[dict[str, ArmResult], dict[str, float]], None] | None = None,
+    chunk: int = 256,
+    on_chunk: Callable[[int, dict[str, ArmResult], dict[str, float]], None] | None = None,
 ) -> tuple[dict[str, ArmResult], dict[str, float]]:
     """Run every arm on every record through ``engine``; returns results and seconds per arm.
 
-    ``on_arm`` sees the partial results after each arm (a long CPU run then leaves a report
-    even if it is stopped early)."""
+    Records go chunk by chunk, every arm on a chunk before the next (the first arm computes the
+    prompt prefixes, the others reuse them from the prefix cache, so the KV cache only has to
+    hold one chunk). ``on_chunk(done, results, times)`` sees the first ``done`` records' results
+    after each chunk (a long CPU run then leaves a report even if it is stopped early)."""
     from tqdm import tqdm
 
     register_artifact(engine, artifact)
-    prompts = [r["prompt"] for r in records]
-    results: dict[str, ArmResult] = {}
-    times: dict[str, float] = {}
-    with tqdm(total=len(prompts) * len(arms), desc="eval", unit="prompt") as bar:
-        for arm in arms:
-            t0 = time.perf_counter()
-            ent = arm_entries(artifact, arm)
-            texts = generate(engine, prompts, [ent] * len(prompts), max_tokens, progress=bar.update)
-            results[arm] = score_all(records, texts)
-            if not keep_texts:
-                results[arm].texts = []
-            times[arm] = round(time.perf_counter() - t0, 1)
-            bar.set_postfix(arm=arm, acc=f"{sum(results[arm].correct) / len(prompts):.3f}")
-            if on_arm is not None:
-                on_arm(results, times)
+    entries = {arm: arm_entries(artifact, arm) for arm in arms}
+    results = {arm: ArmResult() for arm in arms}
+    times = dict.fromkeys(arms, 0.0)
+    with tqdm(total=len(records) * len(arms), desc="eval", unit="prompt") as bar:
+        for i in range(0, len(records), chunk):
+            part = records[i : i + chunk]
+            prompts = [r["prompt"] for r in part]
+            for arm in arms:
+                t0 = time.perf_counter()
+                texts = generate(engine, prompts, [entries[arm]] * len(prompts), max_tokens)
+                r, got = results[arm], score_all(part, texts)
+                r.correct += got.correct
+                r.english += got.english
+                r.recall_any += got.recall_any
+                r.texts += got.texts if keep_texts else []
+                times[arm] = round(times[arm] + time.perf_counter() - t0, 1)
+                bar.update(len(part))
+            if on_chunk is not None:
+                on_chunk(i + len(part), results, times)
     return results, times
 
 

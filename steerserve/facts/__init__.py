@@ -188,16 +188,19 @@ def eval_records(
     langs: Iterable[str] | None = None,
     relations: Iterable[str] | None = None,
     limit_per_lang: int | None = None,
+    offset_per_lang: int = 0,
 ) -> list[dict]:
     """Evaluation items in the ``eval --dataset`` schema, grouped by language.
 
-    ``limit_per_lang`` takes the first N facts of each language, relations interleaved.
+    ``limit_per_lang`` takes N facts of each language from ``offset_per_lang`` on, relations
+    interleaved (disjoint offsets give disjoint fact sets in every language).
     """
     facts = load_facts(split, langs, relations)
     out: list[dict] = []
     for lang in dict.fromkeys(f.lang for f in facts):
         chosen = _round_robin([f for f in facts if f.lang == lang])
-        for f in chosen if limit_per_lang is None else chosen[:limit_per_lang]:
+        stop = None if limit_per_lang is None else offset_per_lang + limit_per_lang
+        for f in chosen[offset_per_lang:stop]:
             out.append(
                 {
                     "id": f"{f.fact_id}:{f.lang}",
