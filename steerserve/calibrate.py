@@ -37,6 +37,14 @@ class Grid:
     fine_factors: tuple[float, ...] = (0.5, 1.5)
     max_en_drop: float = 0.01
 
+    def __post_init__(self) -> None:
+        from steerserve.engine.spec import POSITIONS
+
+        # Fail before the engine starts, not after half an hour of sweeping.
+        bad = [p for p in self.positions if p not in POSITIONS]
+        if bad or not self.positions:
+            raise ValueError(f"positions: {bad or '(none)'}; known: {', '.join(POSITIONS)}")
+
     @classmethod
     def for_layers(cls, num_layers: int, **kw: Any) -> Grid:
         """Rescale the default layer choices (given for 18 layers) to another depth."""
@@ -315,14 +323,15 @@ def build_artifact(
 
 
 def calib_records(
-    per_lang: int = 10, en_items: int = 30, shots: int = 3, offset: int = 0
+    per_lang: int = 10, en_items: int = 30, shots: int = 3, part: tuple[int, int] = (0, 1)
 ) -> list[dict]:
     """Calibration-split items: ``per_lang`` per non-English language, more English (the guard
-    on English needs more than a handful of items to mean anything), from the ``offset``-th
-    fact of each language on (so two calls with disjoint ranges give disjoint fact sets)."""
+    on English needs more than a handful of items to mean anything), from ``part`` of each
+    language's facts (see ``facts.eval_records``; the sweep and its held-out check use
+    ``(0, 2)`` and ``(1, 2)``)."""
     from steerserve.facts import LANGS, eval_records
 
-    kw = dict(split="calib", shots=shots, offset_per_lang=offset)
+    kw = dict(split="calib", shots=shots, part=part)
     out = eval_records(langs=["en"], limit_per_lang=en_items, **kw)
     non_en = [lang for lang in LANGS if lang != "en"]
     return out + eval_records(langs=non_en, limit_per_lang=per_lang, **kw)

@@ -354,7 +354,7 @@ def calibrate(
         Path("out/candidates.safetensors"), help="Output of 'steerserve extract'."
     ),
     out: Path = typer.Option(
-        Path("vectors/gemma-3-270m/v1"), help="Artifact directory to write (NAME/VERSION)."
+        Path("vectors/gemma-3-270m/v3"), help="Artifact directory to write (NAME/VERSION)."
     ),
     model: str = typer.Option("default", help=_MODEL_HELP),
     per_lang: int = typer.Option(10, help="Calibration facts per non-English language."),
@@ -380,8 +380,9 @@ def calibrate(
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
     holdout: int = typer.Option(
         0,
-        help="Calibration facts per language (English included), after the sweep's, on which "
-        "the chosen pair is re-checked against the baseline (0: no check).",
+        help="Calibration facts per language (English included) on which the chosen pair is "
+        "re-checked against the baseline (0: no check). With a check, the sweep draws from every "
+        "other fact and the check from the rest, so the two sets never share a fact.",
     ),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
     summary_dir: Path = typer.Option(
@@ -412,8 +413,11 @@ def calibrate(
         kw["recall_layers"] = _ints(recall_layers)
     if translation_layers:
         kw["translation_layers"] = _ints(translation_layers)
-    grid = cal.Grid.for_layers(n_layers, **kw)
-    records = cal.calib_records(per_lang, en_items, shots)
+    try:
+        grid = cal.Grid.for_layers(n_layers, **kw)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--positions") from None
+    records = cal.calib_records(per_lang, en_items, shots, part=(0, 2) if holdout else (0, 1))
     eng = open_engine(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
@@ -421,7 +425,7 @@ def calibrate(
     try:
         result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
         if holdout:
-            held = cal.calib_records(holdout, holdout, shots, offset=max(per_lang, en_items))
+            held = cal.calib_records(holdout, holdout, shots, part=(1, 2))
             cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
     finally:
         eng.shutdown()
@@ -445,7 +449,7 @@ def calibrate(
 @app.command("eval")
 def eval_cmd(
     artifact: Path = typer.Option(
-        Path("vectors/gemma-3-270m/v1"), help="Artifact directory (manifest + tensors)."
+        Path("vectors/gemma-3-270m/v3"), help="Artifact directory (manifest + tensors)."
     ),
     out: Path = typer.Option(Path("out/eval"), help="Writes report.json, report.md, accuracy.png."),
     model: str = typer.Option("default", help=_MODEL_HELP),
@@ -453,7 +457,7 @@ def eval_cmd(
         None, help="JSONL {id, lang, prompt, answers, answers_en?}; default: built-in test split."
     ),
     arms: str = typer.Option(
-        "baseline,both,random,recall,translation",
+        "baseline,both,random,random_signs,recall,translation",
         help="Comma-separated arms (each chunk of records runs them in this order; the report "
         "is rewritten after each chunk).",
     ),
@@ -539,7 +543,7 @@ def analyze(
     langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
     artifact: Path | None = typer.Option(
         None,
-        help="Artifact for the steered arms (default: vectors/gemma-3-270m/v1 for the default "
+        help="Artifact for the steered arms (default: vectors/gemma-3-270m/v3 for the default "
         "model when it exists; without one only the 'none' arm runs).",
         show_default=False,
     ),

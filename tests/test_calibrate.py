@@ -24,7 +24,7 @@ def artifact_dir(tiny_gemma: Path, cands: Candidates, tmp_path_factory) -> Path:
     from steerserve.evaluate import open_engine
 
     out = tmp_path_factory.mktemp("vec") / "tiny" / "v1"
-    records = cal.calib_records(per_lang=1, en_items=2, shots=1)
+    records = cal.calib_records(per_lang=1, en_items=2, shots=1, part=(0, 2))
     grid = cal.Grid(
         recall_variants=("recall.mixed.diff",),
         recall_layers=(1,),
@@ -47,7 +47,7 @@ def artifact_dir(tiny_gemma: Path, cands: Candidates, tmp_path_factory) -> Path:
         assert shared == salted
         assert shared != base  # the steering does something, so the check means something
         result = cal.calibrate(eng, cands, records, grid, log=lambda *_: None)
-        held = cal.calib_records(per_lang=1, en_items=1, shots=1, offset=2)
+        held = cal.calib_records(per_lang=1, en_items=1, shots=1, part=(1, 2))
         assert not {r["id"] for r in held} & {r["id"] for r in records}
         cal.confirm(eng, cands, result, held, log=lambda *_: None)
     finally:
@@ -81,6 +81,7 @@ def test_calibration_artifact_loads(artifact_dir: Path, tiny_gemma: Path) -> Non
 def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
+    from steerserve import evaluate as ev
     from steerserve.cli import app
     from steerserve.facts import eval_records
 
@@ -94,7 +95,7 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["arms"]) == {"baseline", "recall", "translation", "both", "random"}
+    assert set(rep["arms"]) == set(ev.ARMS)
     for a in rep["arms"].values():
         assert set(a["per_language"]) == {"en", "fr", "ja"}
         assert a["per_language"]["fr"]["n"] == 2
@@ -124,3 +125,9 @@ def test_evaluate_chunks_are_exact(artifact_dir: Path, tiny_gemma: Path) -> None
         assert small[arm].correct == big[arm].correct
     # Some arm's answers differ from the baseline's, so reusing the prefix KV was a real check.
     assert any(small[a].texts != small["baseline"].texts for a in ev.ARMS)
+
+
+def test_grid_refuses_unknown_positions() -> None:
+    with pytest.raises(ValueError, match="positions: \\['last_prompt'\\]; known: all"):
+        cal.Grid(positions=("last_prompt_and_generated", "last_prompt"))
+    assert cal.Grid.for_layers(28).recall_layers == (6, 9, 12, 16)

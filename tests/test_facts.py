@@ -146,9 +146,11 @@ def test_eval_records_schema_and_limit() -> None:
     full = eval_records()
     assert len(full) == len(load_facts("test"))
     assert len({r["id"] for r in full}) == len(full)
-    nxt = eval_records(limit_per_lang=8, offset_per_lang=8, langs=["en", "fr"])
-    both = eval_records(limit_per_lang=16, langs=["en", "fr"])
-    assert [r["id"] for r in both] == [r["id"] for r in recs[:8] + nxt[:8] + recs[8:] + nxt[8:]]
+    even = eval_records(limit_per_lang=4, part=(0, 2), langs=["en", "fr"])
+    odd = eval_records(limit_per_lang=4, part=(1, 2), langs=["en", "fr"])
+    ids = [r["id"] for r in recs]
+    assert [r["id"] for r in even] == ids[0:8:2] + ids[8:16:2]
+    assert [r["id"] for r in odd] == ids[1:8:2] + ids[9:16:2]
 
 
 def test_fact_is_frozen() -> None:

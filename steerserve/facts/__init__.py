@@ -188,19 +188,20 @@ def eval_records(
     langs: Iterable[str] | None = None,
     relations: Iterable[str] | None = None,
     limit_per_lang: int | None = None,
-    offset_per_lang: int = 0,
+    part: tuple[int, int] = (0, 1),
 ) -> list[dict]:
     """Evaluation items in the ``eval --dataset`` schema, grouped by language.
 
-    ``limit_per_lang`` takes N facts of each language from ``offset_per_lang`` on, relations
-    interleaved (disjoint offsets give disjoint fact sets in every language).
+    Facts of a language are listed with relations interleaved, better-known entities first.
+    ``part=(k, n)`` keeps every n-th of them from the k-th on (``(0, 2)`` and ``(1, 2)`` are two
+    disjoint halves alike in relations and familiarity); ``limit_per_lang`` then takes the first N.
     """
     facts = load_facts(split, langs, relations)
     out: list[dict] = []
     for lang in dict.fromkeys(f.lang for f in facts):
         chosen = _round_robin([f for f in facts if f.lang == lang])
-        stop = None if limit_per_lang is None else offset_per_lang + limit_per_lang
-        for f in chosen[offset_per_lang:stop]:
+        chosen = chosen[part[0] :: part[1]]
+        for f in chosen if limit_per_lang is None else chosen[:limit_per_lang]:
             out.append(
                 {
                     "id": f"{f.fact_id}:{f.lang}",

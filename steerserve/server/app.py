@@ -504,7 +504,7 @@ def _stream_response(body: AsyncIterator[str], headers: dict[str, str]) -> Strea
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-async def _chat_stream(
+def _chat_stream(
     s: ServerState,
     call: Call,
     req: P.ChatCompletionRequest,
@@ -516,14 +516,13 @@ async def _chat_stream(
     top: int,
 ) -> AsyncIterator[str]:
     created, tok = int(time.time()), s.engine.tokenizer
-    completion, status = 0, 200
+    completion = [0]
 
     def chunk(choices: list[P.ChunkChoice], **kw: Any) -> str:
         c = P.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, **kw)
         return _sse(c)
 
-    s.metrics.queue_depth.inc()
-    try:
+    async def events() -> AsyncGenerator[str, None]:
         yield chunk(
             [
                 P.ChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
@@ -533,7 +532,7 @@ async def _chat_stream(
         )
         async for out in chained(first, gen):
             for o in out.outputs:
-                completion += len(o.token_ids)
+                completion[0] += len(o.token_ids)
                 lp = (
                     P.chat_logprobs(list(o.token_ids), o.logprobs, top, tok)
                     if req.logprobs
@@ -552,10 +551,30 @@ async def _chat_stream(
                         ]
                     )
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=_usage(prompt_len, completion), steering=info)
+            yield chunk([], usage=_usage(prompt_len, completion[0]), steering=info)
+
+    return _guarded_stream(s, call, events(), [gen], prompt_len, completion)
+
+
+async def _guarded_stream(
+    s: ServerState,
+    call: Call,
+    events: AsyncGenerator[str, None],
+    gens: list[AsyncGenerator[Any, None]],
+    prompt_tokens: int,
+    completion: list[int],
+) -> AsyncIterator[str]:
+    """The SSE tail both streaming endpoints share: ``[DONE]``, an engine error as a final
+    OpenAI-format event, a client that went away counted as 499, and the engine requests closed,
+    the queue gauge, token counters and request metrics settled whatever happened."""
+    status = 200
+    s.metrics.queue_depth.inc()
+    try:
+        async for event in events:
+            yield event
         yield "data: [DONE]\n\n"
     except asyncio.CancelledError:
-        status = 499  # the client went away: the engine request was aborted
+        status = 499  # the client went away: the engine requests are aborted below
         raise
     except Exception as e:
         err = engine_error(e)
@@ -564,8 +583,10 @@ async def _chat_stream(
         yield "data: [DONE]\n\n"
     finally:
         s.metrics.queue_depth.dec()
-        await gen.aclose()
-        s.metrics.count_tokens(call.arm, prompt_len, completion)
+        await events.aclose()
+        for g in gens:
+            await g.aclose()
+        s.metrics.count_tokens(call.arm, prompt_tokens, completion[0])
         s.finish(call, status)
 
 
@@ -685,7 +706,7 @@ def _completion_prompts(
     return prompts, [s.engine.decode(ids) for ids in prompts]
 
 
-async def _completion_stream(
+def _completion_stream(
     s: ServerState,
     call: Call,
     req: P.CompletionRequest,
@@ -697,16 +718,16 @@ async def _completion_stream(
     texts: list[str],
 ) -> AsyncIterator[str]:
     created, tok = int(time.time()), s.engine.tokenizer
-    completion, status = 0, 200
+    completion = [0]
     offsets: dict[int, int] = {}
+    prompt_tokens = sum(len(ids) for ids in prompts)
 
     def chunk(choices: list[P.CompletionChoice], **kw: Any) -> str:
         c = P.Completion(id=rid, created=created, model=req.model, choices=choices, **kw)
         return _sse(c)
 
-    s.metrics.queue_depth.inc()
-    streams = [chained(f, g) for f, g in zip(firsts, gens, strict=True)]
-    try:
+    async def events() -> AsyncGenerator[str, None]:
+        streams = [chained(f, g) for f, g in zip(firsts, gens, strict=True)]
         first_chunk = True
         if req.echo:
             for i, text in enumerate(texts):
@@ -716,7 +737,7 @@ async def _completion_stream(
         async for i, out in merge(streams):  # type: ignore[arg-type]
             for o in out.outputs:
                 idx = i * req.n + o.index
-                completion += len(o.token_ids)
+                completion[0] += len(o.token_ids)
                 lp = None
                 if req.logprobs is not None:
                     lp = P.completion_logprobs(
@@ -730,23 +751,9 @@ async def _completion_stream(
                     yield chunk([c], steering=info if first_chunk else None)
                     first_chunk = False
         if req.stream_options and req.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for ids in prompts)
-            yield chunk([], usage=_usage(prompt_tokens, completion), steering=info)
-        yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    except Exception as e:
-        err = engine_error(e)
-        status = err.status
-        yield f"data: {_json_dumps(err.body())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        s.metrics.queue_depth.dec()
-        for g in gens:
-            await g.aclose()
-        s.metrics.count_tokens(call.arm, sum(len(ids) for ids in prompts), completion)
-        s.finish(call, status)
+            yield chunk([], usage=_usage(prompt_tokens, completion[0]), steering=info)
+
+    return _guarded_stream(s, call, events(), gens, prompt_tokens, completion)
 
 
 # --- steering vectors (admin) -------------------------------------------------------------------
