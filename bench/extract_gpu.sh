@@ -30,9 +30,9 @@ t1=$(date +%s)
 log "calibrate (joint sweep through vLLM on the calibration split)"
 $PY -m steerserve calibrate --model "$MODEL" --candidates "$OUT/candidates.safetensors" \
   --out "$ART" --overwrite --dtype bfloat16 --kv-cache-bytes 0 --max-num-seqs 256 \
-  --per-lang 40 --en-items 80 \
-  --recall-layers 6,8,10,12,14,16 --recall-scales 0.1,0.25,0.5,1.0 \
-  --translation-layers 18,20,22,24,26 --translation-scales 0.1,0.25,0.5,1.0 \
+  --per-lang 40 --en-items 40 --holdout 40 \
+  --recall-layers 6,8,10,12,14,16 --recall-scales 0.05,0.1,0.25,0.5,1.0 \
+  --translation-layers 18,20,22,24,26 --translation-scales 0.05,0.1,0.25,0.5,1.0 \
   --positions last_prompt_and_generated,all --summary-dir "$OUT"
 t2=$(date +%s)
 

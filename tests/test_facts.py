@@ -146,11 +146,19 @@ def test_eval_records_schema_and_limit() -> None:
     full = eval_records()
     assert len(full) == len(load_facts("test"))
     assert len({r["id"] for r in full}) == len(full)
-    even = eval_records(limit_per_lang=4, part=(0, 2), langs=["en", "fr"])
-    odd = eval_records(limit_per_lang=4, part=(1, 2), langs=["en", "fr"])
-    ids = [r["id"] for r in recs]
-    assert [r["id"] for r in even] == ids[0:8:2] + ids[8:16:2]
-    assert [r["id"] for r in odd] == ids[1:8:2] + ids[9:16:2]
+
+    # Two halves: disjoint, together everything, each with every relation, alike in familiarity.
+    all_en = [r["id"] for r in eval_records("calib", langs=["en"])]
+    even = [r["id"] for r in eval_records("calib", langs=["en"], part=(0, 2))]
+    odd = [r["id"] for r in eval_records("calib", langs=["en"], part=(1, 2))]
+    assert not set(even) & set(odd) and set(even) | set(odd) == set(all_en)
+    for rel in RELATIONS:
+        of = [i for i in all_en if i.startswith(rel + ":")]
+        assert [i for i in even if i.startswith(rel + ":")] == of[0::2]
+        assert [i for i in odd if i.startswith(rel + ":")] == of[1::2]
+    assert (
+        {i.split(":")[0] for i in even[:8]} == {i.split(":")[0] for i in odd[:8]} == set(RELATIONS)
+    )
 
 
 def test_fact_is_frozen() -> None:

@@ -169,13 +169,14 @@ def prompt(fact: Fact, shots: int = 3, seed: int = 0) -> str:
     return "".join(shot(s) for s in shots_for(fact, shots, seed)) + query(fact)
 
 
-def _round_robin(facts: list[Fact]) -> list[Fact]:
-    """Interleave relations so a per-language limit keeps every relation represented."""
+def _round_robin(facts: list[Fact], part: tuple[int, int] = (0, 1)) -> list[Fact]:
+    """Interleave relations so a per-language limit keeps every relation represented; ``part``
+    keeps every n-th fact of each relation from the k-th on."""
     by_rel: dict[str, list[Fact]] = {}
     for f in facts:
         by_rel.setdefault(f.relation, []).append(f)
     out: list[Fact] = []
-    queues = [by_rel[r] for r in RELATIONS if r in by_rel]
+    queues = [by_rel[r][part[0] :: part[1]] for r in RELATIONS if r in by_rel]
     for i in range(max((len(q) for q in queues), default=0)):
         out += [q[i] for q in queues if i < len(q)]
     return out
@@ -193,14 +194,14 @@ def eval_records(
     """Evaluation items in the ``eval --dataset`` schema, grouped by language.
 
     Facts of a language are listed with relations interleaved, better-known entities first.
-    ``part=(k, n)`` keeps every n-th of them from the k-th on (``(0, 2)`` and ``(1, 2)`` are two
-    disjoint halves alike in relations and familiarity); ``limit_per_lang`` then takes the first N.
+    ``part=(k, n)`` keeps every n-th fact of each relation from the k-th on (``(0, 2)`` and
+    ``(1, 2)`` are two disjoint halves alike in relations and familiarity); ``limit_per_lang`` then
+    takes the first N.
     """
     facts = load_facts(split, langs, relations)
     out: list[dict] = []
     for lang in dict.fromkeys(f.lang for f in facts):
-        chosen = _round_robin([f for f in facts if f.lang == lang])
-        chosen = chosen[part[0] :: part[1]]
+        chosen = _round_robin([f for f in facts if f.lang == lang], part)
         for f in chosen if limit_per_lang is None else chosen[:limit_per_lang]:
             out.append(
                 {
