@@ -1,4 +1,5 @@
-"""The OpenAI-compatible FastAPI app: factory, lifespan (engine in the background), routes, errors.
+"""The OpenAI-compatible FastAPI app: factory, lifespan (engine in the background), routes, errors
+(server state in ``state.py``, the SSE streams in ``streaming.py``).
 
 Every request is validated in full (body, model, prompt length, steering) before it reaches the
 engine, so bad input is a 4xx in OpenAI's format and never a 500 or a silently unsteered answer.
@@ -8,39 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import re
 import secrets
-import signal
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from steerserve.engine.api import UNSTEERED, EngineConfig, Prepared
+from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.server import protocol as P
-from steerserve.server.engine import (
-    ServingEngine,
-    chained,
-    collect,
-    engine_error,
-    load_artifacts,
-    merge,
-    prime,
-)
-from steerserve.server.metrics import Metrics
-from steerserve.server.policy import MODES, Decision, LoadedArtifact, SteeringPolicy
+from steerserve.server.engine import collect, engine_error, load_artifacts, prime
+from steerserve.server.policy import Decision
 from steerserve.server.protocol import ApiError
+from steerserve.server.state import Call, ServerSettings, ServerState, default_first
+from steerserve.server.streaming import chat_stream, completion_stream, stream_response
+
+__all__ = ["ServerSettings", "create_app"]
 
 logger = logging.getLogger("steerserve.server")
 
@@ -51,155 +43,8 @@ _ARTIFACT_REF = re.compile(
 T = TypeVar("T")
 
 
-@dataclass
-class ServerSettings:
-    """What ``steerserve serve`` configures (see ``cli.py`` for the options and variables)."""
-
-    engine: EngineConfig
-    vectors_dir: str | None = None
-    served_model_name: str | None = None
-    api_key: str | None = None
-    steering: str = "auto"  # default policy: off | on | auto
-    max_body_bytes: int = 1 << 20
-    exit_on_load_failure: bool = False  # the CLI: a server that cannot load should not idle
-
-
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
-
-
-@dataclass
-class Call:
-    """Per-request bookkeeping read by the error handlers (metrics need endpoint and arm)."""
-
-    endpoint: str
-    arm: str = "none"
-    t0: float = field(default_factory=time.perf_counter)
-
-
-class ServerState:
-    """The app's state: settings, engine, policy, metrics, readiness."""
-
-    def __init__(self, settings: ServerSettings) -> None:
-        if settings.steering not in MODES:
-            raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
-        self.settings = settings
-        self.engine = ServingEngine(settings.engine)
-        self.policy = SteeringPolicy(
-            self.engine.registry, settings.steering, settings.engine.max_abs_scale
-        )
-        self.metrics = Metrics()
-        self.model_name = settings.served_model_name or Path(settings.engine.model).name
-        self.load_error: BaseException | None = None
-        self.created = int(time.time())
-        self.loaded = False
-
-    @property
-    def ready(self) -> bool:
-        return self.loaded and self.engine.ready
-
-    # --- startup -----------------------------------------------------------------------------
-
-    async def load(self) -> None:
-        try:
-            await self.engine.start()
-            if self.engine.cfg.steering:
-                arts = await asyncio.to_thread(
-                    load_artifacts, self.settings.vectors_dir, self.settings.engine.model
-                )
-                for art in _default_first(arts):
-                    await self.add_artifact(art)
-            if self.policy.default_artifact is None and self.policy.default != "off":
-                if self.policy.default == "on":
-                    raise RuntimeError(
-                        f"--steering on, but no artifact for this model under "
-                        f"{self.settings.vectors_dir!r}"
-                    )
-                logger.warning("no steering artifact for this model: default policy is off")
-                self.policy.default = "off"
-            if self.policy.default_artifact is not None:
-                await asyncio.to_thread(self.policy.detector.warm)
-            self.loaded = True
-            self.metrics.ready.set(1)
-            logger.info(
-                "ready: model %s, artifacts %s (default %s), policy %s",
-                self.model_name,
-                list(self.policy.artifacts),
-                self.policy.default_artifact,
-                self.policy.default,
-            )
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            self.load_error = e
-            logger.exception("engine failed to load")
-            if self.settings.exit_on_load_failure:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    def finish(self, call: Call, status: int, timed: bool = True) -> None:
-        """Count a finished request and log it (one structured line per request)."""
-        seconds = time.perf_counter() - call.t0
-        self.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
-        logger.info(
-            "request endpoint=%s arm=%s status=%d ms=%.1f",
-            call.endpoint,
-            call.arm,
-            status,
-            seconds * 1e3,
-        )
-
-    async def add_artifact(self, art: Any, make_default: bool = False) -> LoadedArtifact:
-        m = art.manifest
-        for iv in m.interventions:
-            await self.engine.register(m.vector_name(iv), art.tensors[iv.tensor], str(art.path))
-        loaded = LoadedArtifact.from_artifact(art)
-        self.policy.add(loaded, make_default)
-        return loaded
-
-    # --- per request -------------------------------------------------------------------------
-
-    def check(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(
-                f"The model {model!r} does not exist; this server serves {self.model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
-        if not self.ready:
-            raise ApiError(
-                "the engine is still loading" if self.load_error is None else "the engine failed",
-                status=503,
-                type="service_unavailable",
-            )
-
-    async def steer(self, raw: Any, text: str, force: bool = False) -> tuple[Decision, Prepared]:
-        lang = None
-        if self.policy.mode_of(raw) == "auto":
-            try:
-                lang = await asyncio.to_thread(self.policy.detector.detect, text)
-            except Exception:  # undetectable text: "unsure", which auto treats as English
-                lang = None
-        decision = self.policy.resolve(raw, language=lang, force=force)
-        try:
-            prepared = self.engine.prepare(list(decision.entries) or None)
-        except ValueError as e:
-            msg = str(e)
-            if decision.policy == "entries":
-                msg = msg.replace("steering[", "steering.entries[", 1)
-            param = msg.split(":", 1)[0] if ":" in msg else "steering"
-            raise ApiError(msg, param=param) from None
-        if force and not prepared.steered:
-            raise ApiError("steering: the steered arm would not be steered", param="steering")
-        return decision, prepared
-
-
-def _default_first(arts: list[Any]) -> list[Any]:
-    """Load order: by name, latest version first; the first one becomes the default."""
-    from steerserve.artifacts import _version_key
-
-    newest = sorted(arts, key=lambda a: _version_key(a.manifest.version), reverse=True)
-    return sorted(newest, key=lambda a: a.manifest.name)
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -251,16 +96,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
     return Response(model.model_dump_json(), media_type="application/json", headers=headers)
-
-
-def _sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
-
-
-def _usage(prompt: int, completion: int) -> P.Usage:
-    return P.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
 
 
 # --- auth ---------------------------------------------------------------------------------------
@@ -437,8 +272,8 @@ async def _chat(request: Request, ab: bool) -> Response:
     if req.stream:
         gen = s.engine.generate(ids, sp, prepared, rid)
         first = await prime(gen)
-        body = _chat_stream(s, call, req, rid, gen, first, info, len(ids), top or 0)
-        return _stream_response(body, headers)
+        body = chat_stream(s, call, req, rid, gen, first, info, len(ids), top or 0)
+        return stream_response(body, headers)
 
     async def one(p: Prepared, d: Decision, arm: str, rid: str) -> P.ChatCompletion:
         out = await collect(s.engine.generate(ids, sp, p, rid))
@@ -494,106 +329,9 @@ def _chat_completion(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=_usage(prompt, completion),
+        usage=P.Usage.of(prompt, completion),
         steering=info,
     )
-
-
-def _stream_response(body: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
-    headers = {**headers, "cache-control": "no-cache"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-
-
-def _chat_stream(
-    s: ServerState,
-    call: Call,
-    req: P.ChatCompletionRequest,
-    rid: str,
-    gen: AsyncGenerator[Any, None],
-    first: Any,
-    info: P.SteeringInfo,
-    prompt_len: int,
-    top: int,
-) -> AsyncIterator[str]:
-    created, tok = int(time.time()), s.engine.tokenizer
-    completion = [0]
-
-    def chunk(choices: list[P.ChunkChoice], **kw: Any) -> str:
-        c = P.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, **kw)
-        return _sse(c)
-
-    async def events() -> AsyncGenerator[str, None]:
-        yield chunk(
-            [
-                P.ChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
-                for i in range(req.n)
-            ],
-            steering=info,
-        )
-        async for out in chained(first, gen):
-            for o in out.outputs:
-                completion[0] += len(o.token_ids)
-                lp = (
-                    P.chat_logprobs(list(o.token_ids), o.logprobs, top, tok)
-                    if req.logprobs
-                    else None
-                )
-                if o.text or lp or o.finish_reason:
-                    delta = P.Delta(content=o.text) if o.text else P.Delta()
-                    yield chunk(
-                        [
-                            P.ChunkChoice(
-                                index=o.index,
-                                delta=delta,
-                                logprobs=lp,
-                                finish_reason=o.finish_reason,
-                            )
-                        ]
-                    )
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=_usage(prompt_len, completion[0]), steering=info)
-
-    return _guarded_stream(s, call, events(), [gen], prompt_len, completion)
-
-
-async def _guarded_stream(
-    s: ServerState,
-    call: Call,
-    events: AsyncGenerator[str, None],
-    gens: list[AsyncGenerator[Any, None]],
-    prompt_tokens: int,
-    completion: list[int],
-) -> AsyncIterator[str]:
-    """The SSE tail both streaming endpoints share: ``[DONE]``, an engine error as a final
-    OpenAI-format event, a client that went away counted as 499, and the engine requests closed,
-    the queue gauge, token counters and request metrics settled whatever happened."""
-    status = 200
-    s.metrics.queue_depth.inc()
-    try:
-        async for event in events:
-            yield event
-        yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        status = 499  # the client went away: the engine requests are aborted below
-        raise
-    except Exception as e:
-        err = engine_error(e)
-        status = err.status
-        yield f"data: {_json_dumps(err.body())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        s.metrics.queue_depth.dec()
-        await events.aclose()
-        for g in gens:
-            await g.aclose()
-        s.metrics.count_tokens(call.arm, prompt_tokens, completion[0])
-        s.finish(call, status)
-
-
-def _json_dumps(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))
 
 
 # --- completions --------------------------------------------------------------------------------
@@ -632,8 +370,8 @@ async def _completions(request: Request) -> Response:
                 for other in gens:
                     await other.aclose()
                 raise
-        body = _completion_stream(s, call, req, rid, gens, firsts, info, prompts, texts)
-        return _stream_response(body, headers)
+        body = completion_stream(s, call, req, rid, gens, firsts, info, prompts, texts)
+        return stream_response(body, headers)
 
     async def run() -> list[Any]:
         async with asyncio.TaskGroup() as tg:
@@ -672,7 +410,7 @@ async def _completions(request: Request) -> Response:
         created=int(time.time()),
         model=req.model,
         choices=choices,
-        usage=_usage(prompt_tokens, completion),
+        usage=P.Usage.of(prompt_tokens, completion),
         steering=info,
     )
     return _json(res, headers)
@@ -704,56 +442,6 @@ def _completion_prompts(
     for ids in prompts:
         s.engine.check_ids(ids, "prompt")
     return prompts, [s.engine.decode(ids) for ids in prompts]
-
-
-def _completion_stream(
-    s: ServerState,
-    call: Call,
-    req: P.CompletionRequest,
-    rid: str,
-    gens: list[AsyncGenerator[Any, None]],
-    firsts: list[Any],
-    info: P.SteeringInfo,
-    prompts: list[list[int]],
-    texts: list[str],
-) -> AsyncIterator[str]:
-    created, tok = int(time.time()), s.engine.tokenizer
-    completion = [0]
-    offsets: dict[int, int] = {}
-    prompt_tokens = sum(len(ids) for ids in prompts)
-
-    def chunk(choices: list[P.CompletionChoice], **kw: Any) -> str:
-        c = P.Completion(id=rid, created=created, model=req.model, choices=choices, **kw)
-        return _sse(c)
-
-    async def events() -> AsyncGenerator[str, None]:
-        streams = [chained(f, g) for f, g in zip(firsts, gens, strict=True)]
-        first_chunk = True
-        if req.echo:
-            for i, text in enumerate(texts):
-                for j in range(req.n):
-                    yield chunk([P.CompletionChoice(index=i * req.n + j, text=text)], steering=info)
-            first_chunk = False
-        async for i, out in merge(streams):  # type: ignore[arg-type]
-            for o in out.outputs:
-                idx = i * req.n + o.index
-                completion[0] += len(o.token_ids)
-                lp = None
-                if req.logprobs is not None:
-                    lp = P.completion_logprobs(
-                        list(o.token_ids), o.logprobs, req.logprobs, tok, offsets.get(idx, 0)
-                    )
-                    offsets[idx] = offsets.get(idx, 0) + len(o.text)
-                if o.text or lp or o.finish_reason or first_chunk:
-                    c = P.CompletionChoice(
-                        index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
-                    )
-                    yield chunk([c], steering=info if first_chunk else None)
-                    first_chunk = False
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=_usage(prompt_tokens, completion[0]), steering=info)
-
-    return _guarded_stream(s, call, events(), gens, prompt_tokens, completion)
 
 
 # --- steering vectors (admin) -------------------------------------------------------------------
@@ -804,7 +492,7 @@ async def _load_vectors(request: Request) -> dict[str, Any]:
             param="name",
             code="artifact_not_found",
         )
-    art = _default_first(found)[0]
+    art = default_first(found)[0]
     try:
         loaded = await s.add_artifact(art, make_default=req.default)
     except ValueError as e:  # same name/version, other data: artifacts are immutable

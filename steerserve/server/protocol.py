@@ -179,6 +179,12 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
 
 class TopLogprob(BaseModel):
     token: str
