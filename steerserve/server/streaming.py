@@ -41,8 +41,9 @@ def chat_stream(
     prompt_len: int,
     top: int,
 ) -> AsyncIterator[str]:
+    """Chat chunks: the role, then content/logprob deltas, then usage if asked for."""
     created, tok = int(time.time()), s.engine.tokenizer
-    completion = [0]
+    completion = [0]  # completion tokens so far, read by the tail's metrics
 
     def chunk(choices: list[P.ChunkChoice], **kw: Any) -> str:
         c = P.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=choices, **kw)
@@ -92,7 +93,8 @@ async def guarded_stream(
 ) -> AsyncIterator[str]:
     """The SSE tail both streaming endpoints share: ``[DONE]``, an engine error as a final
     OpenAI-format event, a client that went away counted as 499, and the engine requests closed,
-    the queue gauge, token counters and request metrics settled whatever happened."""
+    the queue gauge, token counters and request metrics settled whatever happened.
+    ``completion`` is a one-element counter that ``events`` keeps up to date."""
     status = 200
     s.metrics.queue_depth.inc()
     try:
@@ -131,8 +133,10 @@ def completion_stream(
     prompts: list[list[int]],
     texts: list[str],
 ) -> AsyncIterator[str]:
+    """Completion chunks of several prompts merged as they come (choice index = prompt * n +
+    sample), echoed prompts first if asked for, then usage if asked for."""
     created, tok = int(time.time()), s.engine.tokenizer
-    completion = [0]
+    completion = [0]  # completion tokens so far, read by the tail's metrics
     offsets: dict[int, int] = {}
     prompt_tokens = sum(len(ids) for ids in prompts)
 
