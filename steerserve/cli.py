@@ -470,7 +470,7 @@ def eval_cmd(
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:
-    """Evaluate arms baseline/recall/translation/both/random through the vLLM engine."""
+    """Evaluate arms baseline/recall/translation/both/random/random_signs through the vLLM engine."""
     import time
 
     from steerserve import evaluate as ev
