@@ -21,9 +21,16 @@ def check_config(vllm_config: Any) -> None:
     """Refuse engine features whose token layout the steering index cannot follow."""
     if vllm_config.speculative_config is not None:
         raise ValueError("steerserve: speculative decoding is not supported with steering")
-    if getattr(vllm_config.parallel_config, "enable_dbo", False):
-        raise ValueError("steerserve: dual-batch overlap (enable_dbo) is not supported")
-    if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+    par = vllm_config.parallel_config
+    # vLLM splits a step into micro-batches whenever ``use_ubatching`` holds (``enable_dbo`` or
+    # ``ubatch_size > 1``); each micro-batch's forward would read the index from token 0.
+    if par.use_ubatching:
+        raise ValueError(
+            "steerserve: micro-batching is not supported with steering "
+            f"(enable_dbo={par.enable_dbo}, ubatch_size={par.ubatch_size}; "
+            "use enable_dbo=False and ubatch_size<=1)"
+        )
+    if getattr(par, "prefill_context_parallel_size", 1) > 1:
         raise ValueError("steerserve: prefill context parallelism is not supported")
 
 
