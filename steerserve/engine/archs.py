@@ -51,6 +51,7 @@ class SteeringMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         from steerserve.engine.buffers import SteeringState
         from steerserve.engine.runner import check_config, install_v1_seam
+        from steerserve.engine.seeds import install_cpu_seed_rewind
 
         check_config(vllm_config)
         opts = (vllm_config.additional_config or {}).get("steerserve") or {}
@@ -76,6 +77,8 @@ class SteeringMixin:
         self.steering.attach(decoder.layers, owned)
         if not vllm_config.use_v2_model_runner:
             install_v1_seam()
+            if device.type == "cpu":
+                install_cpu_seed_rewind()
         logger.info("steerserve: steering layers %s of %d", owned, num_layers)
 
     @staticmethod
