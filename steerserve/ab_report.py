@@ -1,0 +1,241 @@
+"""``steerserve ab-report LOG``: who won a server-side A/B experiment, read from its decision log.
+
+Per experiment, arm and detected language: requests, mean feedback score with a 95 % CI, the
+steered - unsteered difference with its CI (Welch, normal approximation), and latency p50/p95.
+It says plainly when there are too few scored replies to call a winner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from steerserve.server.experiment import STEERED, UNSTEERED
+
+#: Fewer scored replies than this in either arm: no winner is called.
+MIN_SCORED = 30
+Z95 = 1.959964
+
+
+@dataclass
+class Row:
+    """One answered request joined with its feedback (the last score given wins)."""
+
+    id: str
+    experiment: str | None
+    arm: str | None
+    language: str | None
+    latency_ms: float | None
+    score: float | None = None
+
+
+def read_log(path: str | Path) -> list[Row]:
+    """Decisions joined with their feedback by completion id; torn lines are skipped."""
+    rows: dict[str, Row] = {}
+    scores: dict[str, float] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or "id" not in rec:
+                continue
+            rid = str(rec["id"])
+            if rec.get("type") == "decision":
+                rows[rid] = Row(
+                    rid,
+                    rec.get("experiment"),
+                    rec.get("arm"),
+                    rec.get("language"),
+                    rec.get("latency_ms"),
+                )
+            elif rec.get("type") == "feedback" and isinstance(rec.get("score"), int | float):
+                scores[rid] = float(rec["score"])
+    for rid, s in scores.items():
+        if rid in rows:
+            rows[rid].score = s
+    return list(rows.values())
+
+
+def mean_ci(values: Sequence[float]) -> dict[str, Any]:
+    """Mean and normal-approximation 95 % CI (None where n < 2)."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "mean": None, "ci95": None}
+    x = np.asarray(values, dtype=float)
+    m = float(x.mean())
+    if n < 2:
+        return {"n": n, "mean": m, "ci95": None}
+    half = Z95 * float(x.std(ddof=1)) / math.sqrt(n)
+    return {"n": n, "mean": m, "ci95": [m - half, m + half]}
+
+
+def diff_ci(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """mean(a) - mean(b) with a Welch 95 % CI (None where either side has n < 2)."""
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": None, "ci95": None}
+    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    d = float(xa.mean() - xb.mean())
+    se = math.sqrt(xa.var(ddof=1) / len(xa) + xb.var(ddof=1) / len(xb))
+    return {"diff": d, "ci95": [d - Z95 * se, d + Z95 * se]}
+
+
+def _arm_stats(rows: Iterable[Row]) -> dict[str, Any]:
+    rows = list(rows)
+    lat = [r.latency_ms for r in rows if r.latency_ms is not None]
+    scored = [r.score for r in rows if r.score is not None]
+    return {
+        "requests": len(rows),
+        "score": mean_ci(scored),
+        "latency_ms": {
+            "p50": float(np.percentile(lat, 50)) if lat else None,
+            "p95": float(np.percentile(lat, 95)) if lat else None,
+        },
+    }
+
+
+def verdict(steered: Sequence[float], unsteered: Sequence[float], min_n: int = MIN_SCORED) -> str:
+    """One sentence: the winner, no difference, or too few samples to say."""
+    if min(len(steered), len(unsteered)) < min_n:
+        return (
+            f"too few scored replies to call a winner (need {min_n} per arm; steered "
+            f"{len(steered)}, unsteered {len(unsteered)})"
+        )
+    d = diff_ci(steered, unsteered)
+    lo, hi = d["ci95"]
+    if lo > 0:
+        return f"steered wins: +{d['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
+    if hi < 0:
+        return f"unsteered wins: steered {d['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
+    return f"no significant difference: {d['diff']:+.3g} [{lo:.3g}, {hi:.3g}]"
+
+
+def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
+    by_arm = {arm: [r for r in rows if r.arm == arm] for arm in (STEERED, UNSTEERED)}
+    s = [r.score for r in by_arm[STEERED] if r.score is not None]
+    u = [r.score for r in by_arm[UNSTEERED] if r.score is not None]
+    return {
+        "arms": {arm: _arm_stats(rs) for arm, rs in by_arm.items()},
+        "difference": diff_ci(s, u),
+        "verdict": verdict(s, u, min_n),
+    }
+
+
+def build_report(rows: Sequence[Row], min_n: int = MIN_SCORED) -> dict[str, Any]:
+    """The report of every experiment in ``rows``, overall and per detected language."""
+    enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
+    out: dict[str, Any] = {
+        "requests": len(rows),
+        "not_enrolled": len(rows) - len(enrolled),
+        "min_scored_per_arm": min_n,
+        "experiments": {},
+    }
+    for name in sorted({r.experiment for r in enrolled}):  # type: ignore[type-var]
+        mine = [r for r in enrolled if r.experiment == name]
+        langs = sorted({r.language or "unknown" for r in mine})
+        out["experiments"][name] = {
+            "overall": _compare(mine, min_n),
+            "per_language": {
+                lang: _compare([r for r in mine if (r.language or "unknown") == lang], min_n)
+                for lang in langs
+            },
+        }
+    return out
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}g}"
+
+
+def _ci(c: Sequence[float] | None) -> str:
+    return "–" if c is None else f"[{c[0]:.3g}, {c[1]:.3g}]"
+
+
+def _table(label: str, cmp: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for arm in (STEERED, UNSTEERED):
+        a = cmp["arms"][arm]
+        sc, lat = a["score"], a["latency_ms"]
+        lines.append(
+            f"| {label} | {arm} | {a['requests']} | {sc['n']} | {_fmt(sc['mean'])} "
+            f"{_ci(sc['ci95'])} | {_fmt(lat['p50'], 4)} | {_fmt(lat['p95'], 4)} |"
+        )
+    d = cmp["difference"]
+    lines.append(f"| {label} | steered − unsteered | | | {_fmt(d['diff'])} {_ci(d['ci95'])} | | |")
+    return lines
+
+
+def report_markdown(rep: Mapping[str, Any]) -> str:
+    lines = [
+        "# A/B report",
+        "",
+        f"{rep['requests']} logged requests, {rep['not_enrolled']} not enrolled (no subject, "
+        f"explicit steering, or no experiment). A winner needs {rep['min_scored_per_arm']} "
+        "scored replies per arm and a 95 % CI of the difference that excludes 0.",
+    ]
+    if not rep["experiments"]:
+        lines += ["", "No enrolled requests in this log."]
+    for name, exp in rep["experiments"].items():
+        lines += [
+            "",
+            f"## Experiment `{name}`",
+            "",
+            f"**Verdict: {exp['overall']['verdict']}.**",
+            "",
+            "| language | arm | requests | scored | mean score [95 % CI] | p50 ms | p95 ms |",
+            "|---|---|---|---|---|---|---|",
+            *_table("all", exp["overall"]),
+        ]
+        for lang, cmp in exp["per_language"].items():
+            lines += _table(lang, cmp)
+        lines += ["", "Per language:"]
+        lines += [f"- {lang}: {cmp['verdict']}" for lang, cmp in exp["per_language"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rep: Mapping[str, Any], path: str | Path) -> None:
+    """Mean score per language and arm with 95 % CIs, one panel per experiment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    exps = list(rep["experiments"].items()) or [("(none)", None)]
+    fig, axes = plt.subplots(len(exps), 1, figsize=(8, 3.2 * len(exps)), squeeze=False)
+    for ax, (name, exp) in zip(axes[:, 0], exps, strict=True):
+        ax.set_title(f"experiment {name}")
+        if exp is None:
+            continue
+        groups = {"all": exp["overall"], **exp["per_language"]}
+        xs = np.arange(len(groups))
+        for k, arm in enumerate((STEERED, UNSTEERED)):
+            means, errs = [], []
+            for cmp in groups.values():
+                sc = cmp["arms"][arm]["score"]
+                means.append(np.nan if sc["mean"] is None else sc["mean"])
+                errs.append(0.0 if sc["ci95"] is None else (sc["ci95"][1] - sc["ci95"][0]) / 2)
+            ax.bar(xs + (k - 0.5) * 0.38, means, 0.38, yerr=errs, capsize=3, label=arm)
+        ax.set_xticks(xs, list(groups))
+        ax.set_ylabel("mean score")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(rep: Mapping[str, Any], out_dir: str | Path) -> Path:
+    """report.json, report.md and report.png in ``out_dir``; returns the markdown's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    md = out / "report.md"
+    md.write_text(report_markdown(rep))
+    plot(rep, out / "report.png")
+    return md
