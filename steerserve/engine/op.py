@@ -28,17 +28,36 @@ def _steer_add_fake(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tenso
     return torch.empty_like(hidden)
 
 
-def _register() -> None:
+def _register() -> str:
+    """Register the op once and say with what: vLLM's low-overhead registration where vLLM is
+    installed (the engine), plain ``torch.library`` where it is not (a bare PyTorch machine)."""
     if hasattr(torch.ops.steerserve, "steer_add"):
-        return
-    from vllm.utils.torch_utils import direct_register_custom_op
-
+        return "existing"
+    try:
+        from vllm.utils.torch_utils import direct_register_custom_op
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":  # vLLM is installed but broken: fail loudly, never fall back
+            raise
+        _register_with_torch()
+        return "torch.library"
     direct_register_custom_op(
         "steer_add", _steer_add, mutates_args=[], fake_impl=_steer_add_fake, target_lib=_LIB
     )
+    return "vllm"
 
 
-_register()
+def _register_with_torch() -> None:
+    """The schema, kernel and fake that vLLM's registration gives, for CPU and CUDA alike."""
+    from torch.library import infer_schema, register_fake
+
+    _LIB.define("steer_add" + infer_schema(_steer_add, mutates_args=()))
+    for key in ("CPU", "CUDA"):
+        _LIB.impl("steer_add", _steer_add, key)
+    register_fake("steerserve::steer_add", _steer_add_fake, lib=_LIB)
+
+
+#: Who registered the op in this process: "vllm", "torch.library" or "existing".
+REGISTERED_WITH = _register()
 
 
 def steer_add(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
