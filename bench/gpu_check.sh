@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks of the steering plugin (what CPU tests cannot show): Model Runner V2 and V1, compiled
-# forward + CUDA graphs, mixed batches at and between capture sizes, the transformers oracle on CUDA,
-# no host syncs in the step, and the overhead ratios with graphs on.
+# GPU checks of the steering plugin (what CPU tests cannot show): the op alone on PyTorch
+# (bench/gpu_op_check.py), then Model Runner V2 and V1 with compiled forward + CUDA graphs, mixed
+# batches at, between and above capture sizes, the transformers oracle on CUDA, no host syncs in the
+# step, and the overhead ratios with graphs on.
 # Needs: one NVIDIA GPU, Python 3.11/3.12, access to PyPI (installs the CUDA build of vLLM 0.33.0).
 #   bash bench/gpu_check.sh            # results in out/gpu/
 set -euo pipefail
@@ -18,11 +19,12 @@ fi
 PY="$VENV/bin/python"
 export PYTHONUNBUFFERED=1
 status=0
+"$PY" bench/gpu_op_check.py --out "$OUT" 2>&1 | tee "$OUT/op.log" || status=1
 "$PY" bench/gpu_check.py --runner v2 --out "$OUT" 2>&1 | tee "$OUT/v2.log" || status=1
 VLLM_USE_V2_MODEL_RUNNER=0 "$PY" bench/gpu_check.py --runner v1 --out "$OUT" 2>&1 | tee "$OUT/v1.log" || status=1
 # Any device->host sync inside a step is an error (steering must not add one).
 VLLM_GPU_SYNC_CHECK=error "$PY" bench/gpu_check.py --runner v2 2>&1 | tee "$OUT/sync.log" || status=1
-grep -h "Using V2 Model Runner\|cudagraph_mode" "$OUT"/v2.log | head -3 || true
+grep -h "active runner" "$OUT"/v2.log "$OUT"/v1.log || true
 "$PY" bench/overhead.py --model "$MODEL" --compile --kv-cache-bytes 0 --batch 64 --tokens 128 \
   2>&1 | tee "$OUT/overhead.log" || status=1
 exit $status

@@ -386,6 +386,37 @@ def header(op: Any, cuda: bool) -> None:
     )
 
 
+def has_kernel(device: str) -> bool:
+    """vLLM registers the op for its platform's device only (CUDA on a GPU machine)."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}[device]
+    return torch._C._dispatch_has_kernel_for_dispatch_key("steerserve::steer_add", key)
+
+
+def run_cpu(op: Any, args: argparse.Namespace, compile_too: bool, check: Checks) -> None:
+    if not has_kernel("cpu"):
+        print(f"SKIP  CPU parts: the op has no CPU kernel (registered with {op.REGISTERED_WITH})")
+        return
+    sizes, hidden = (QUICK_SIZES, 64) if args.quick else (SIZES, 256)
+    check_eager(op, "cpu", sizes, hidden, check)
+    if compile_too:  # on a GPU machine the CUDA compile check covers this
+        for dtype in (torch.bfloat16, torch.float32):
+            check_compile("cpu", dtype, sizes, hidden, args.backend, check)
+
+
+def run_cuda(op: Any, args: argparse.Namespace, check: Checks) -> dict[str, Any]:
+    if not check(
+        "op has a CUDA kernel", has_kernel("cuda"), f"registered with {op.REGISTERED_WITH}"
+    ):
+        return {}
+    check_eager(op, "cuda", SIZES, 4096, check)
+    for dtype in (torch.bfloat16, torch.float32):
+        fn, counter = check_compile("cuda", dtype, SIZES, 4096, args.backend, check)
+        check_graphs(op, fn, counter, dtype, SIZES, 4096, check)
+    cost = measure_cost(op)
+    print_cost(cost)
+    return cost
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="also write gpu_op_check.json here")
@@ -402,22 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     header(op, cuda)
     check = Checks()
     check_registration(op, check)
-    sizes, hidden = (QUICK_SIZES, 64) if args.quick else (SIZES, 256)
-    check_eager(op, "cpu", sizes, hidden, check)
+    run_cpu(op, args, not cuda, check)
     cost: dict[str, Any] = {}
-    dtypes = (torch.bfloat16, torch.float32)
     if cuda:
-        check_eager(op, "cuda", SIZES, 4096, check)
-        for dtype in dtypes:
-            fn, counter = check_compile("cuda", dtype, SIZES, 4096, args.backend, check)
-            check_graphs(op, fn, counter, dtype, SIZES, 4096, check)
-        cost = measure_cost(op)
-        print_cost(cost)
+        cost = run_cuda(op, args, check)
     else:
-        for dtype in dtypes:  # on a GPU machine the CUDA compile check covers this
-            check_compile("cpu", dtype, sizes, hidden, args.backend, check)
         why = "--cpu-only" if args.cpu_only else "torch.cuda.is_available() is False"
-        print(f"SKIP  CUDA parts (graph capture/replay, sync check, cost): {why}")
+        print(f"SKIP  CUDA parts (eager, compile, graph capture/replay, sync check, cost): {why}")
     heavy = [m for m in HEAVY if m in sys.modules]
     print(f"heavy modules imported: {', '.join(heavy) or 'none'}")
     secs = time.perf_counter() - t0
