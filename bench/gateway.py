@@ -110,12 +110,10 @@ class Bench:
         from vllm.sampling_params import RequestOutputKind
 
         from steerserve.engine.api import make_prompt, with_steering
+        from steerserve.server.steering import On
 
-        eng = self.state.engine
-        entries = None
-        if steered:
-            decision = self.state.policy.resolve(True)
-            entries = list(decision.entries)
+        eng = self.state.backend
+        entries = self.state.policy.resolve(On()).entries if steered else None
         prepared = eng.prepare(entries)
         sp = SamplingParams(
             max_tokens=self.max_tokens,
@@ -124,7 +122,7 @@ class Bench:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         # Token ids, as the server sends them (vLLM's raw-text path adds a thread-pool hop).
-        ids = eng.encode(prompt)
+        ids = list(eng.tokenizer.encode(prompt))
         last = None
         async for out in eng.llm.generate(
             make_prompt(ids, prepared), with_steering(sp, prepared), uuid.uuid4().hex

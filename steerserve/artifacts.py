@@ -157,19 +157,31 @@ class Artifact:
     tensors: dict[str, torch.Tensor]
     path: Path | None = None
 
-    def vector(self, intervention: str) -> torch.Tensor:
-        return self.tensors[self.manifest.intervention(intervention).tensor]
+    @property
+    def key(self) -> str:
+        """``name/version``: how a server and its clients refer to the artifact."""
+        return f"{self.manifest.name}/{self.manifest.version}"
 
     def named_vectors(self) -> dict[str, torch.Tensor]:
         """Engine name -> tensor, ready for ``SteerEngine.register_vector``."""
         m = self.manifest
         return {m.vector_name(iv): self.tensors[iv.tensor] for iv in m.interventions}
 
-    def entries(self, names: Iterable[str] | None = None) -> list[SteeringEntry]:
-        """The recommended (calibrated) steering entries for some or all interventions."""
+    def entries(
+        self, choice: Iterable[str] | Mapping[str, float] | None = None
+    ) -> tuple[SteeringEntry, ...]:
+        """The calibrated steering entries of some (``choice``) or all interventions; a mapping
+        ``{name: multiplier}`` also multiplies each calibrated scale. The one way from an
+        artifact to engine entries."""
         m = self.manifest
-        ivs = m.interventions if names is None else [m.intervention(n) for n in names]
-        return [SteeringEntry(m.vector_name(iv), iv.layer, iv.scale, iv.positions) for iv in ivs]
+        names = [iv.name for iv in m.interventions] if choice is None else list(choice)
+        factor = choice if isinstance(choice, Mapping) else {}
+        out = []
+        for n in names:
+            iv = m.intervention(n)
+            scale = iv.scale * float(factor.get(n, 1.0))
+            out.append(SteeringEntry(m.vector_name(iv), iv.layer, scale, iv.positions))
+        return tuple(out)
 
 
 # --- model fingerprint -------------------------------------------------------------------------
@@ -435,8 +447,25 @@ def artifacts_for_model(root: str | Path, model_dir: str | Path) -> list[Artifac
     return out
 
 
-def _version_key(v: str) -> list[Any]:
+def version_key(v: str) -> list[Any]:
+    """Sort key of versions: digit runs compare as numbers (``v10`` after ``v9``)."""
     return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", v) if s]
+
+
+def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
+    """By name, each name's newest version first: the order a server loads artifacts in, so the
+    first is the one it serves by default."""
+    newest = sorted(arts, key=lambda a: version_key(a.manifest.version), reverse=True)
+    return sorted(newest, key=lambda a: a.manifest.name)
+
+
+def preferred_artifact(root: str | Path | None, model_dir: str | Path) -> Artifact | None:
+    """The artifact ``steering: "auto"`` serves for this model from ``root``: the first of
+    :func:`newest_first` among the verified ones bound to it (None when there is none)."""
+    if root is None or not Path(root).is_dir():
+        return None
+    arts = newest_first(artifacts_for_model(root, model_dir))
+    return arts[0] if arts else None
 
 
 def resolve_artifact(ref: str, root: str | Path = "vectors") -> Path:
@@ -451,7 +480,7 @@ def resolve_artifact(ref: str, root: str | Path = "vectors") -> Path:
     )
     if not versions:
         raise ArtifactError(f"no artifact {ref!r} under {str(root)!r}")
-    return base / max(versions, key=_version_key)
+    return base / max(versions, key=version_key)
 
 
 # --- llama.cpp GGUF control vectors ------------------------------------------------------------

@@ -596,7 +596,7 @@ def _wait(cond: Any, timeout: float = 10.0) -> bool:
 
 
 def test_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
-    engine = server.app.state.steer.engine
+    engine = server.app.state.steer.backend
     before_499 = metric(http, "steerserve_requests_total", endpoint="chat", status="499")
     before_tok = metric(http, "steerserve_tokens_total", arm="unsteered", kind="completion")
     body = chat_body("hi", stream=True, max_tokens=450, steering=False)
@@ -621,7 +621,7 @@ def test_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
 
 
 def test_non_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
-    engine = server.app.state.steer.engine
+    engine = server.app.state.steer.backend
     before = metric(http, "steerserve_requests_total", endpoint="completions", status="499")
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -747,3 +747,49 @@ def test_vectors_list_and_load(http: httpx.Client, vectors_dir: Path, tiny_llama
     finally:
         r = http.post("/v1/steering/vectors", json={"name": "tiny/v1", "default": True})
         assert r.status_code == 200 and r.json()["default"] == "tiny/v1"
+
+
+# --- the request path ---------------------------------------------------------------------------
+
+#: The server's modules, callers before callees: a request only ever calls downwards.
+LAYERS = (
+    "app", "pipeline", "state", "endpoints", "policy", "backend", "protocol", "steering", "metrics"
+)  # fmt: skip
+
+
+def _server_module(frame: Any) -> str | None:
+    name = frame.f_globals.get("__name__", "")
+    return name.rsplit(".", 1)[-1] if name.startswith("steerserve.server.") else None
+
+
+def test_steered_chat_takes_one_path_through_the_server(server: Server, http: httpx.Client) -> None:
+    """Trace the calls between server modules (in the server's event-loop thread) while a steered
+    chat request is answered: app -> pipeline, which calls each stage's module; no module calls
+    back into one above it."""
+    import sys
+
+    edges: list[tuple[str, str]] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_back is not None:
+            callee, caller = _server_module(frame), _server_module(frame.f_back)
+            if callee and caller and caller != callee and (caller, callee) not in edges:
+                edges.append((caller, callee))
+
+    loop = server.server.servers[0].get_loop()
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: (sys.settrace(tracer), done.set()))
+    assert done.wait(10)
+    try:
+        r = chat(http, FR, steering=True)
+    finally:
+        done.clear()
+        loop.call_soon_threadsafe(lambda: (sys.settrace(None), done.set()))
+        assert done.wait(10)
+    assert r["steering"]["applied"]
+    print("module calls, in order:", " ".join(f"{a}->{b}" for a, b in edges))
+    assert edges[0] == ("app", "pipeline")
+    assert {b for _, b in edges} >= {"pipeline", "protocol", "endpoints", "policy", "backend"}
+    assert {a for a, b in edges if b == "pipeline"} == {"app"}  # one way in
+    for a, b in edges:  # one way down: never back into a module above
+        assert LAYERS.index(a) < LAYERS.index(b), (a, b, edges)

@@ -7,25 +7,47 @@ import json
 import pytest
 import torch
 
+from steerserve.artifacts import Artifact, Fingerprint, Intervention, Manifest, ModelBinding
 from steerserve.engine.registry import VectorRegistry
-from steerserve.server.policy import Intervention, LanguageDetector, LoadedArtifact, SteeringPolicy
+from steerserve.engine.spec import SteeringEntry
+from steerserve.server.policy import Decision, LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     SteeringInfo,
     parse_request,
+    parse_steering,
+)
+from steerserve.server.steering import Multipliers
+
+BINDING = ModelBinding(
+    architecture="LlamaForCausalLM",
+    num_layers=8,
+    hidden_size=8,
+    fingerprint=Fingerprint(config_sha256="c", embedding_sha256="e"),
 )
 
 
-def _artifact(version: str, registry: VectorRegistry) -> LoadedArtifact:
-    ivs = {}
+def _artifact(version: str, registry: VectorRegistry) -> Artifact:
+    ivs, tensors = [], {}
     for name, layer, scale in (("recall", 3, 4.0), ("translation", 5, -2.0)):
         vector = f"tiny/{version}/{name}"
+        tensors[name] = torch.ones(8) * layer
         if vector not in registry:
-            registry.add(vector, torch.ones(8) * layer)
-        ivs[name] = Intervention("tiny", version, name, vector, layer, scale, "generated")
-    return LoadedArtifact("tiny", version, ivs, {"name": "tiny", "version": version})
+            registry.add(vector, tensors[name])
+        ivs.append(
+            Intervention(name=name, tensor=name, layer=layer, scale=scale, positions="generated")
+        )
+    manifest = Manifest(name="tiny", version=version, model=BINDING, interventions=ivs)
+    return Artifact(manifest, tensors)
+
+
+class Policy(SteeringPolicy):
+    """The policy fed raw JSON ``steering`` values, parsed as a request body parses them."""
+
+    def resolve(self, raw: object, **kw: object) -> Decision:  # type: ignore[override]
+        return super().resolve(parse_steering(raw), **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +58,9 @@ def detector() -> LanguageDetector:
 
 
 @pytest.fixture
-def policy(detector: LanguageDetector) -> SteeringPolicy:
+def policy() -> SteeringPolicy:
     reg = VectorRegistry(8)
-    p = SteeringPolicy(reg, default="auto", max_abs_scale=10.0, detector=detector)
+    p = Policy(reg, default="auto", max_abs_scale=10.0)
     p.add(_artifact("v1", reg))
     return p
 
@@ -47,8 +69,8 @@ def test_modes(policy: SteeringPolicy) -> None:
     assert policy.resolve(False).entries == ()
     on = policy.resolve(True)
     assert on.policy == "on"
-    assert [e["vector"] for e in on.entries] == ["tiny/v1/recall", "tiny/v1/translation"]
-    assert [e["scale"] for e in on.entries] == [4.0, -2.0]
+    assert [e.vector for e in on.entries] == ["tiny/v1/recall", "tiny/v1/translation"]
+    assert [e.scale for e in on.entries] == [4.0, -2.0]
     assert on.info(True).interventions[0].sha256 == policy.registry["tiny/v1/recall"].sha256[:12]
     assert policy.resolve("off").entries == () and policy.resolve("on").entries == on.entries
     # auto: on only for a detected non-English language
@@ -61,9 +83,7 @@ def test_modes(policy: SteeringPolicy) -> None:
 
 def test_interventions_multiply_calibrated_scales(policy: SteeringPolicy) -> None:
     d = policy.resolve({"interventions": {"translation": 0.5}})
-    assert d.entries == (
-        {"vector": "tiny/v1/translation", "layer": 5, "scale": -1.0, "positions": "generated"},
-    )
+    assert d.entries == (SteeringEntry("tiny/v1/translation", 5, -1.0, "generated"),)
     assert d.info(True).interventions[0].name == "translation"
     assert d.info(False).interventions == []  # nothing is claimed when nothing was applied
 
@@ -104,8 +124,8 @@ def test_ab_forces_a_steered_arm(policy: SteeringPolicy) -> None:
     assert policy.resolve(None, force=True).entries  # absent means "on" for A/B
 
 
-def test_no_artifact_refuses_instead_of_running_unsteered(detector: LanguageDetector) -> None:
-    p = SteeringPolicy(VectorRegistry(8), default="off", detector=detector)
+def test_no_artifact_refuses_instead_of_running_unsteered() -> None:
+    p = Policy(VectorRegistry(8), default="off")
     for raw in (True, {"interventions": {"recall": 1}}):
         with pytest.raises(ApiError) as e:
             p.resolve(raw)
@@ -120,17 +140,22 @@ def test_artifact_choice(policy: SteeringPolicy) -> None:
     policy.add(_artifact("v2", policy.registry))
     assert policy.default_artifact == "tiny/v1"  # the first loaded stays the default
     latest = policy.resolve({"artifact": "tiny"})  # a bare name: its latest version
-    assert {e["vector"].split("/")[1] for e in latest.entries} == {"v10"}
+    assert {e.vector.split("/")[1] for e in latest.entries} == {"v10"}
     pinned = policy.resolve({"artifact": "tiny/v2", "interventions": {"recall": 1}})
-    assert [e["vector"] for e in pinned.entries] == ["tiny/v2/recall"]
+    assert [e.vector for e in pinned.entries] == ["tiny/v2/recall"]
     policy.add(policy.artifacts["tiny/v2"], make_default=True)
-    assert policy.resolve(True).entries[0]["vector"] == "tiny/v2/recall"
+    assert policy.resolve(True).entries[0].vector == "tiny/v2/recall"
 
 
 def test_entries_echo_known_and_unknown_vectors(policy: SteeringPolicy) -> None:
     policy.registry.add("adhoc", torch.zeros(8))
     d = policy.resolve(
-        {"entries": [{"vector": "tiny/v1/recall", "layer": 2, "scale": 1.5}, {"vector": "adhoc"}]}
+        {
+            "entries": [
+                {"vector": "tiny/v1/recall", "layer": 2, "scale": 1.5},
+                {"vector": "adhoc", "layer": 0},
+            ]
+        }
     )
     known, unknown = d.info(True).interventions
     assert (known.artifact, known.name, known.layer, known.scale) == ("tiny", "recall", 2, 1.5)
@@ -204,7 +229,7 @@ def test_parse_accepts_openai_shapes() -> None:
         ).encode(),
     )
     assert req.messages[1].text() == "hi there" and req.stop_list() == ["\n"]
-    assert req.steering == {"interventions": {"recall": 1}}
+    assert req.steering == Multipliers(interventions={"recall": 1.0})
     for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]]):
         c = parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())
         assert c.prompt == prompt and c.max_tokens == 16

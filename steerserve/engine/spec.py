@@ -52,8 +52,44 @@ class RowPlan:
     terms: tuple[tuple[str, float], ...]
 
 
-def _fail(field: str, message: str) -> None:
-    raise ValueError(f"{field}: {message}")
+class SteeringError(ValueError):
+    """A refused steering value. ``field`` names where (``steering[1].layer``), so a caller can
+    report it without taking the message apart; the message is ``"<field>: <reason>"``."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+ENTRY_FIELDS = frozenset({"vector", "layer", "scale", "positions"})
+
+
+def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
+    """One entry from its JSON form, its types checked (the engine-independent half of
+    :func:`validate`); ``field`` prefixes every error."""
+    if isinstance(item, SteeringEntry):
+        return item
+    if not isinstance(item, Mapping):
+        raise SteeringError(field, "must be an object with vector, layer, scale, positions")
+    unknown = set(item) - ENTRY_FIELDS
+    if unknown:
+        raise SteeringError(f"{field}.{sorted(unknown)[0]}", "unknown field")
+    vec = item.get("vector")
+    if not isinstance(vec, str) or not vec:
+        raise SteeringError(f"{field}.vector", "must be the name of a registered vector")
+    layer = item.get("layer")
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise SteeringError(f"{field}.layer", f"must be an integer, got {layer!r}")
+    scale = item.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise SteeringError(f"{field}.scale", f"must be a number, got {scale!r}")
+    if not math.isfinite(scale):
+        raise SteeringError(f"{field}.scale", f"must be finite, got {float(scale)}")
+    pos = item.get("positions", "all")
+    if pos not in POSITIONS:
+        raise SteeringError(f"{field}.positions", f"{pos!r} is not one of {', '.join(POSITIONS)}")
+    return SteeringEntry(vec, layer, float(scale), pos)
 
 
 def validate(
@@ -65,67 +101,58 @@ def validate(
     max_abs_scale: float = DEFAULT_MAX_ABS_SCALE,
     max_entries: int = DEFAULT_MAX_ENTRIES,
     rows_per_request: int | None = None,
+    field: str = "steering",
 ) -> tuple[SteeringEntry, ...]:
-    """Turn raw entries (dicts or :class:`SteeringEntry`) into validated entries.
+    """Turn raw entries (dicts, checked by :func:`entry`, or :class:`SteeringEntry`) into entries
+    this engine can run.
 
-    Raises ``ValueError`` whose message starts with the offending field, e.g.
+    Raises :class:`SteeringError` naming the offending field under ``field``, e.g.
     ``steering[1].layer: 40 is out of range 0..17``. Never drops an entry silently.
     """
     if raw is None:
         return ()
     if isinstance(raw, (str, bytes, Mapping)):
-        _fail("steering", "must be a list of entries")
+        raise SteeringError(field, "must be a list of entries")
     steerable = None if steerable_layers is None else frozenset(steerable_layers)
     out: list[SteeringEntry] = []
     for i, item in enumerate(raw):
-        f = f"steering[{i}]"
-        if isinstance(item, SteeringEntry):
-            item = {
-                "vector": item.vector,
-                "layer": item.layer,
-                "scale": item.scale,
-                "positions": item.positions,
-            }
-        if not isinstance(item, Mapping):
-            _fail(f, "must be an object with vector, layer, scale, positions")
-        unknown = set(item) - {"vector", "layer", "scale", "positions"}
-        if unknown:
-            _fail(f"{f}.{sorted(unknown)[0]}", "unknown field")
-        vec = item.get("vector")
-        if not isinstance(vec, str) or not vec:
-            _fail(f"{f}.vector", "must be the name of a registered vector")
-        if vec not in vectors:
-            _fail(f"{f}.vector", f"unknown vector {vec!r}")
-        layer = item.get("layer")
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            _fail(f"{f}.layer", f"must be an integer, got {layer!r}")
-        if not 0 <= layer < num_layers:
-            _fail(f"{f}.layer", f"{layer} is out of range 0..{num_layers - 1}")
-        if steerable is not None and layer not in steerable:
-            _fail(f"{f}.layer", f"layer {layer} is not steerable on this engine")
-        scale = item.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            _fail(f"{f}.scale", f"must be a number, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            _fail(f"{f}.scale", f"must be finite, got {scale}")
-        if abs(scale) > max_abs_scale:
-            _fail(f"{f}.scale", f"{scale} is outside [-{max_abs_scale}, {max_abs_scale}]")
-        pos = item.get("positions", "all")
-        if pos not in POSITIONS:
-            _fail(f"{f}.positions", f"{pos!r} is not one of {', '.join(POSITIONS)}")
-        out.append(SteeringEntry(vec, layer, scale, pos))
+        f = f"{field}[{i}]"
+        e = entry(item, f)
+        if e.vector not in vectors:
+            raise SteeringError(f"{f}.vector", f"unknown vector {e.vector!r}")
+        if not 0 <= e.layer < num_layers:
+            raise SteeringError(f"{f}.layer", f"{e.layer} is out of range 0..{num_layers - 1}")
+        if steerable is not None and e.layer not in steerable:
+            raise SteeringError(f"{f}.layer", f"layer {e.layer} is not steerable on this engine")
+        if abs(e.scale) > max_abs_scale:
+            raise SteeringError(
+                f"{f}.scale", f"{e.scale} is outside [-{max_abs_scale}, {max_abs_scale}]"
+            )
+        out.append(e)
     if len(out) > max_entries:
-        _fail("steering", f"{len(out)} entries, at most {max_entries} allowed")
+        raise SteeringError(field, f"{len(out)} entries, at most {max_entries} allowed")
     if rows_per_request is not None:
         need = len(plan_rows(out))
         if need > rows_per_request:
-            _fail(
-                "steering",
+            raise SteeringError(
+                field,
                 f"needs {need} distinct (layer, positions) deltas, the engine holds "
                 f"{rows_per_request} per request",
             )
     return tuple(out)
+
+
+#: ``positions`` that leave every token before the last prompt token unsteered.
+PREFIX_SAFE: frozenset[str] = frozenset({"last_prompt_and_generated", "generated"})
+
+
+def shares_unsteered_prefix(entries: Sequence[SteeringEntry]) -> bool:
+    """True when the entries leave the KV of every prompt token but the last exactly as unsteered
+    (no ``positions="all"``), so such a request may read the unsteered prefix cache: vLLM always
+    recomputes a prompt's last token. Only safe when no later request extends this one's prompt
+    or output (its steered last-prompt and generated tokens are cached under the unsalted hash):
+    true of offline sweeps over fixed prompts, not of a server's multi-turn chats."""
+    return all(e.positions in PREFIX_SAFE for e in entries)
 
 
 def plan_rows(entries: Sequence[SteeringEntry]) -> list[RowPlan]:

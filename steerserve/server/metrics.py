@@ -7,11 +7,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-#: ``arm`` label values: steered, unsteered, ab (both arms of an A/B call), none (refused early).
-ARMS = ("steered", "unsteered", "ab", "none")
-
 
 class Metrics:
+    """``arm`` label values: steered, unsteered, ab (both arms of an A/B call), none (refused
+    before steering was decided)."""
+
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:

@@ -1,32 +1,33 @@
-"""The steering policy: a request's ``steering`` field (or the server default) -> engine entries.
+"""The steering policy: a request's typed ``steering`` (or the server default), the detected
+language and the loaded artifacts -> engine entries.
 
-``false`` off; ``true`` the default artifact's interventions at their calibrated settings;
-``"auto"`` on only when the prompt is not English (lingua, offline); an object multiplies the
-calibrated scales or gives explicit engine entries. Every refusal is an :class:`ApiError` naming
-the field, so a request is never answered unsteered when it asked for steering.
+:meth:`SteeringPolicy.resolve` is a pure function of those inputs; language detection (the only
+slow part) happens before it, and only when the steering is ``auto``. Every refusal is an
+:class:`ApiError` naming the field, so a request is never answered unsteered when it asked for
+steering.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from steerserve.artifacts import Artifact, version_key
+from steerserve.engine.spec import SteeringEntry
 from steerserve.server.protocol import ApiError, AppliedIntervention, SteeringInfo
+from steerserve.server.steering import MODES, Auto, Entries, Multipliers, Off, On, SteeringSpec
 
 if TYPE_CHECKING:
-    from steerserve.artifacts import Artifact
+    from steerserve.artifacts import Intervention
     from steerserve.engine.registry import VectorRegistry
 
 logger = logging.getLogger(__name__)
 
-MODES = ("off", "on", "auto")
-
 #: Languages lingua chooses among. A closed set keeps memory (~0.3 GB) and start-up (~2 s) small
-#: while covering the paper's languages and the facts' languages.
+#: while covering the fact set's languages and other widely used ones.
 DETECT_LANGUAGES = (
     "ENGLISH FRENCH GERMAN SPANISH ITALIAN PORTUGUESE DUTCH RUSSIAN UKRAINIAN POLISH TURKISH "
     "ARABIC HINDI JAPANESE CHINESE KOREAN VIETNAMESE INDONESIAN SWEDISH"
@@ -68,51 +69,15 @@ class LanguageDetector:
 
 
 @dataclass(frozen=True)
-class Intervention:
-    """One shipped intervention as the server applies it (calibrated defaults)."""
-
-    artifact: str
-    version: str
-    name: str
-    vector: str
-    layer: int
-    scale: float
-    positions: str
-
-
-@dataclass
-class LoadedArtifact:
-    name: str
-    version: str
-    interventions: dict[str, Intervention]
-    manifest: dict[str, Any]
-    path: str | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}/{self.version}"
-
-    @classmethod
-    def from_artifact(cls, art: Artifact) -> LoadedArtifact:
-        m = art.manifest
-        ivs = {
-            iv.name: Intervention(
-                m.name, m.version, iv.name, m.vector_name(iv), iv.layer, iv.scale, iv.positions
-            )
-            for iv in m.interventions
-        }
-        path = None if art.path is None else str(art.path)
-        return cls(m.name, m.version, ivs, m.model_dump(mode="json"), path)
-
-
-@dataclass(frozen=True)
 class Decision:
-    """What a request gets: the engine entries and how to describe them."""
+    """What a request gets: engine entries, how to describe them, and the field admission errors
+    about them belong to."""
 
     policy: str
-    entries: tuple[dict[str, Any], ...] = ()
+    entries: tuple[SteeringEntry, ...] = ()
     echo: tuple[AppliedIntervention, ...] = ()
     detected_language: str | None = None
+    field: str = "steering"
 
     def info(self, applied: bool) -> SteeringInfo:
         return SteeringInfo(
@@ -123,73 +88,71 @@ class Decision:
         )
 
 
-_OFF = Decision("off")
+OFF = Decision("off")
+_DEFAULTS: dict[str, SteeringSpec] = {"off": Off(), "on": On(), "auto": Auto()}
 
 
 @dataclass
 class SteeringPolicy:
-    """Loaded artifacts and the default mode; turns ``steering`` values into decisions."""
+    """Loaded artifacts and the default mode; turns typed ``steering`` values into decisions."""
 
     registry: VectorRegistry
     default: str = "auto"
     max_abs_scale: float = 64.0
-    artifacts: dict[str, LoadedArtifact] = field(default_factory=dict)
+    artifacts: dict[str, Artifact] = field(default_factory=dict)
     default_artifact: str | None = None
-    detector: LanguageDetector = field(default_factory=LanguageDetector)
+    _by_vector: dict[str, tuple[Artifact, Intervention]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
-    def add(self, art: LoadedArtifact, make_default: bool = False) -> None:
+    def __post_init__(self) -> None:
+        if self.default not in MODES:
+            raise ValueError(f"steering: {self.default!r} is not one of {', '.join(MODES)}")
+
+    def add(self, art: Artifact, make_default: bool = False) -> None:
         self.artifacts[art.key] = art
+        m = art.manifest
+        self._by_vector.update({m.vector_name(iv): (art, iv) for iv in m.interventions})
         if make_default or self.default_artifact is None:
             self.default_artifact = art.key
 
-    # --- parsing -------------------------------------------------------------------------------
+    def detects(self, spec: SteeringSpec | None) -> bool:
+        """Whether :meth:`resolve` needs the prompt's language for ``spec``."""
+        return isinstance(spec if spec is not None else _DEFAULTS[self.default], Auto)
 
-    def mode_of(self, raw: Any) -> str:
-        """off / on / auto / object; ``None`` means the server default."""
-        if raw is None:
-            return self.default
-        if raw is True:
-            return "on"
-        if raw is False:
-            return "off"
-        if isinstance(raw, str):
-            if raw in MODES:
-                return raw
-            raise ApiError(
-                f'steering: {raw!r} is not one of false, true, "auto" (or an object)',
-                param="steering",
-            )
-        if isinstance(raw, Mapping):
-            return "object"
-        raise ApiError(
-            "steering: must be false, true, \"auto\", or an object with 'interventions' or "
-            f"'entries'; got {type(raw).__name__}",
-            param="steering",
-        )
-
-    def needs_language(self, raw: Any) -> bool:
-        return self.mode_of(raw) == "auto"
-
-    def resolve(self, raw: Any, *, language: str | None = None, force: bool = False) -> Decision:
-        """The decision for a request. ``force`` (A/B): "auto" and the default mean "on"."""
-        mode = "on" if force and raw is None else self.mode_of(raw)
-        if force and mode == "off":
-            raise ApiError(
-                "steering: the A/B endpoint compares against a steered arm; false is not allowed",
-                param="steering",
-            )
-        if mode == "off":
-            return _OFF
-        if mode == "object":
-            return self._object(raw, language)
-        if mode == "auto" and not force:
-            if language is None or language == "en":
+    def resolve(
+        self, spec: SteeringSpec | None, *, language: str | None = None, force: bool = False
+    ) -> Decision:
+        """The decision for a request; None is the server default. ``force`` (the A/B endpoint's
+        steered arm): absent and ``auto`` mean ``on``, and ``false`` is refused."""
+        if spec is None:
+            spec = On() if force else _DEFAULTS[self.default]
+        match spec:
+            case Off():
+                if force:
+                    raise ApiError(
+                        "steering: the A/B endpoint compares against a steered arm; false is not "
+                        "allowed",
+                        param="steering",
+                    )
+                return OFF
+            case Auto() if not force and language in (None, "en"):
                 return Decision("auto", detected_language=language)
-            return self._calibrated(self._artifact(None), {}, "auto", language)
-        return self._calibrated(self._artifact(None), {}, "on", language)
+            case Auto() | On():
+                policy = "on" if force or isinstance(spec, On) else "auto"
+                return self._decision(policy, self._artifact(None).entries(), language)
+            case Multipliers():
+                art = self._artifact(spec.artifact)
+                return self._decision(
+                    "interventions", self._calibrated(art, spec.interventions), language
+                )
+            case Entries():
+                return self._decision("entries", spec.entries, language, "steering.entries")
+        raise TypeError(f"not a steering value: {spec!r}")
 
-    def _artifact(self, key: Any) -> LoadedArtifact:
-        if key is None:
+    def _artifact(self, ref: str | None) -> Artifact:
+        """``ref``: None (the default), ``name/version``, or ``name`` (its newest version)."""
+        if ref is None:
             if self.default_artifact is None:
                 raise ApiError(
                     "steering: no steering artifact is loaded for this model (load one with "
@@ -198,118 +161,60 @@ class SteeringPolicy:
                     code="no_artifact",
                 )
             return self.artifacts[self.default_artifact]
-        if not isinstance(key, str):
-            raise ApiError("steering.artifact: must be a string", param="steering.artifact")
-        if key in self.artifacts:
-            return self.artifacts[key]
-        matches = sorted(k for k, a in self.artifacts.items() if a.name == key)
-        if matches:
-            from steerserve.artifacts import _version_key
-
-            return self.artifacts[max(matches, key=lambda k: _version_key(k.split("/", 1)[1]))]
+        if ref in self.artifacts:
+            return self.artifacts[ref]
+        versions = [a for a in self.artifacts.values() if a.manifest.name == ref]
+        if versions:
+            return max(versions, key=lambda a: version_key(a.manifest.version))
         raise ApiError(
-            f"steering.artifact: {key!r} is not loaded; loaded: {', '.join(self.artifacts) or 'none'}",
+            f"steering.artifact: {ref!r} is not loaded; loaded: {', '.join(self.artifacts) or 'none'}",
             param="steering.artifact",
         )
 
-    def _object(self, raw: Mapping[str, Any], language: str | None) -> Decision:
-        unknown = sorted(set(raw) - {"interventions", "entries", "artifact"})
-        if unknown:
-            raise ApiError(
-                f"steering.{unknown[0]}: unknown field (use 'interventions' or 'entries')",
-                param=f"steering.{unknown[0]}",
-            )
-        if "entries" in raw:
-            if "interventions" in raw or "artifact" in raw:
-                raise ApiError(
-                    "steering: 'entries' cannot be combined with 'interventions' or 'artifact'",
-                    param="steering",
-                )
-            return self._entries(raw["entries"], language)
-        art = self._artifact(raw.get("artifact"))
-        mult = raw.get("interventions")
-        if mult is None:
-            mult = {name: 1.0 for name in art.interventions}
-        if not isinstance(mult, Mapping) or not mult:
-            raise ApiError(
-                "steering.interventions: must be a non-empty object {name: multiplier}",
-                param="steering.interventions",
-            )
-        return self._calibrated(art, mult, "interventions", language)
-
     def _calibrated(
-        self,
-        art: LoadedArtifact,
-        multipliers: Mapping[str, Any],
-        policy: str,
-        language: str | None,
-    ) -> Decision:
-        """Entries at calibrated settings; ``multipliers`` (if given) picks and scales them."""
-        chosen = multipliers or {name: 1.0 for name in art.interventions}
-        entries, echo = [], []
-        for name, m in chosen.items():
+        self, art: Artifact, multipliers: Mapping[str, float] | None
+    ) -> tuple[SteeringEntry, ...]:
+        """The artifact's calibrated entries, scaled by ``multipliers`` (all of them at 1 if None);
+        a scale beyond the engine's bound is refused here, naming the intervention."""
+        known = {iv.name: iv for iv in art.manifest.interventions}
+        for name, m in (multipliers or {}).items():
             f = f"steering.interventions.{name}"
-            iv = art.interventions.get(name)
+            iv = known.get(name)
             if iv is None:
                 raise ApiError(
-                    f"{f}: unknown intervention; {art.key} has {', '.join(art.interventions)}",
-                    param=f,
+                    f"{f}: unknown intervention; {art.key} has {', '.join(known)}", param=f
                 )
-            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
-                raise ApiError(f"{f}: the multiplier must be a finite number, got {m!r}", param=f)
-            scale = iv.scale * float(m)
+            scale = iv.scale * m
             if abs(scale) > self.max_abs_scale:
                 raise ApiError(
-                    f"{f}: multiplier {m} gives scale {scale:g} (calibrated {iv.scale:g}), "
+                    f"{f}: multiplier {m:g} gives scale {scale:g} (calibrated {iv.scale:g}), "
                     f"outside [-{self.max_abs_scale:g}, {self.max_abs_scale:g}]",
                     param=f,
                 )
-            entries.append(
-                {"vector": iv.vector, "layer": iv.layer, "scale": scale, "positions": iv.positions}
-            )
-            echo.append(self._echo(iv.vector, iv.layer, scale, iv.positions, iv))
-        return Decision(policy, tuple(entries), tuple(echo), language)
+        return art.entries(multipliers)
 
-    def _entries(self, raw: Any, language: str | None) -> Decision:
-        if not isinstance(raw, list) or not raw:
-            raise ApiError(
-                "steering.entries: must be a non-empty list of {vector, layer, scale, positions}",
-                param="steering.entries",
-            )
-        # Admission validates the entries in full; this only builds the echo.
-        echo = []
-        for e in raw:
-            if isinstance(e, Mapping) and isinstance(e.get("vector"), str):
-                scale = e.get("scale", 1.0)
-                echo.append(
-                    self._echo(
-                        e["vector"],
-                        e.get("layer") if isinstance(e.get("layer"), int) else -1,
-                        float(scale) if isinstance(scale, (int, float)) else 0.0,
-                        str(e.get("positions", "all")),
-                        self._by_vector(e["vector"]),
-                    )
-                )
-        return Decision("entries", tuple(raw), tuple(echo), language)
+    def _decision(
+        self,
+        policy: str,
+        entries: Sequence[SteeringEntry],
+        language: str | None,
+        field: str = "steering",
+    ) -> Decision:
+        echo = tuple(self._echo(e) for e in entries)
+        return Decision(policy, tuple(entries), echo, language, field)
 
-    def _by_vector(self, vector: str) -> Intervention | None:
-        for art in self.artifacts.values():
-            for iv in art.interventions.values():
-                if iv.vector == vector:
-                    return iv
-        return None
-
-    def _echo(
-        self, vector: str, layer: int, scale: float, positions: str, iv: Intervention | None
-    ) -> AppliedIntervention:
-        sha = self.registry[vector].sha256[:12] if vector in self.registry else ""
+    def _echo(self, e: SteeringEntry) -> AppliedIntervention:
+        """How a response names an entry: its artifact and intervention when it is a loaded
+        artifact's vector, and the first 12 hex digits of the vector's sha256."""
+        art, iv = self._by_vector.get(e.vector, (None, None))
+        sha = self.registry[e.vector].sha256[:12] if e.vector in self.registry else ""
         return AppliedIntervention(
-            artifact=iv.artifact if iv else None,
-            version=iv.version if iv else None,
-            name=iv.name if iv else vector,
-            vector=vector,
+            artifact=art.manifest.name if art else None,
+            version=art.manifest.version if art else None,
+            name=iv.name if iv else e.vector,
+            vector=e.vector,
             sha256=sha,
-            layer=layer,
-            scale=scale,
-            positions=positions,
+            layer=e.layer,
+            scale=e.scale,
+            positions=e.positions,
         )

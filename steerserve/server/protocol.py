@@ -1,22 +1,20 @@
-"""Request and response models: OpenAI's chat/completions schema plus ``steering``.
+"""The HTTP boundary: OpenAI's chat/completions schema plus ``steering``, parsed once.
 
 Requests are strict (unknown fields and wrong types are refused), so a misspelt ``steering`` can
-never produce a silently unsteered answer. ``steering`` itself is parsed by the policy, which
-gives messages a user can act on.
+never produce a silently unsteered answer. ``steering`` is a discriminated union (:data:`Steering`)
+validated with the rest of the body; every problem becomes an :class:`ApiError` naming its field.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-STEERING_DOC = (
-    'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
-    '| {"entries": [{"vector", "layer", "scale", "positions"}]}; absent: the server default'
-)
+from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
 
 
 class ApiError(Exception):
@@ -47,6 +45,17 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+_STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)
+
+
+def parse_steering(raw: Any) -> SteeringSpec | None:
+    """A ``steering`` value from JSON (or already typed), as a request body would parse it."""
+    try:
+        return _STEERING.validate_python(raw)
+    except ValidationError as e:
+        raise api_error(e.errors(include_url=False)[0], prefix=("steering",)) from None
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -105,7 +114,7 @@ class _Sampling(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension: useful for benchmarks and tests
-    steering: Any = Field(None, description=STEERING_DOC)
+    steering: Steering = Field(None, description=STEERING_DOC)
 
     @field_validator("stop")
     @classmethod
@@ -290,10 +299,11 @@ class ModelList(BaseModel):
 
 # --- validation errors -> OpenAI errors ---------------------------------------------------------
 
-# pydantic puts union-member tags ("str", "list[int]", "ContentPart") into error locations.
 M = TypeVar("M", bound=BaseModel)
 
+# pydantic puts union-member tags ("str", "list[int]", "ContentPart", "Multipliers") into locations.
 _TAG = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
+UNKNOWN_STEERING_FIELD = "unknown field (use 'interventions' or 'entries')"
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -304,6 +314,19 @@ def _param(loc: tuple[Any, ...]) -> str | None:
         elif not _TAG.match(str(part)):
             out += ("." if out else "") + str(part)
     return out or None
+
+
+def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
+    """One pydantic error as a 400 naming its field (``prefix`` + its location, extended by a
+    field our validators carry)."""
+    loc = (*prefix, *err.get("loc", ()))
+    param = (_param(loc) or "") + str((err.get("ctx") or {}).get("field", "")) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = (
+            UNKNOWN_STEERING_FIELD if loc[:1] == ("steering",) else "unrecognized request argument"
+        )
+    return ApiError(f"{param}: {msg}" if param else msg, param=param)
 
 
 def parse_request(model: type[M], body: bytes) -> M:
@@ -318,70 +341,22 @@ def parse_request(model: type[M], body: bytes) -> M:
             ) from None
         if err["type"] == "model_type" and not err["loc"]:
             raise ApiError("request body must be a JSON object", code="invalid_json") from None
-        param = _param(tuple(err["loc"]))
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unrecognized request argument"
-        raise ApiError(f"{param}: {msg}" if param else msg, param=param) from None
+        raise api_error(err) from None
 
 
-# --- engine outputs -> response pieces ----------------------------------------------------------
-
-
-def _token_text(lp: Any, token_id: int, tokenizer: Any) -> str:
-    text = getattr(lp, "decoded_token", None)
-    return text if text is not None else tokenizer.decode([token_id])
-
-
-def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Any]] | None, top: int, tokenizer: Any
-) -> ChatLogprobs | None:
-    """OpenAI chat ``logprobs.content`` from vLLM's per-token ``{token_id: Logprob}``."""
-    if logprobs is None:
-        return None
-    content = []
-    for tid, lps in zip(token_ids, logprobs, strict=False):
-        chosen = lps[tid]
-        tok = _token_text(chosen, tid, tokenizer)
-        ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top] if top else []
-        content.append(
-            TokenLogprob(
-                token=tok,
-                logprob=max(chosen.logprob, -9999.0),
-                bytes=list(tok.encode()),
-                top_logprobs=[
-                    TopLogprob(
-                        token=(t := _token_text(lp, i, tokenizer)),
-                        logprob=max(lp.logprob, -9999.0),
-                        bytes=list(t.encode()),
-                    )
-                    for i, lp in ranked
-                ],
-            )
-        )
-    return ChatLogprobs(content=content)
-
-
-def completion_logprobs(
-    token_ids: list[int],
-    logprobs: list[dict[int, Any]] | None,
-    top: int,
-    tokenizer: Any,
-    offset: int = 0,
-) -> CompletionLogprobs | None:
-    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
-    if logprobs is None:
-        return None
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for tid, lps in zip(token_ids, logprobs, strict=False):
-        chosen = lps[tid]
-        tok = _token_text(chosen, tid, tokenizer)
-        out.tokens.append(tok)
-        out.token_logprobs.append(max(chosen.logprob, -9999.0))
-        ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top]
-        out.top_logprobs.append(
-            {_token_text(lp, i, tokenizer): max(lp.logprob, -9999.0) for i, lp in ranked}
-        )
-        out.text_offset.append(offset)
-        offset += len(tok)
-    return out
+async def read_request(request: Any, model: type[M], limit: int) -> M:
+    """The body of a Starlette ``request`` parsed as ``model``; 413 past ``limit`` bytes (before
+    reading it when announced)."""
+    too_big = ApiError(
+        f"request body is larger than {limit} bytes", status=413, code="request_too_large"
+    )
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return parse_request(model, b"".join(chunks))

@@ -1,24 +1,31 @@
-"""The server's state: settings, the engine, the steering policy, metrics, readiness, and the
-per-request checks every endpoint runs before the engine sees anything."""
+"""The server's state: settings, the backend, the steering policy, metrics and readiness, and the
+artifacts it loads (at start, or by name at run time)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steerserve.engine.api import EngineConfig, Prepared
-from steerserve.server.engine import ServingEngine, load_artifacts
+from steerserve.artifacts import Artifact, artifacts_for_model, newest_first
+from steerserve.engine.api import EngineConfig
+from steerserve.server.backend import Backend
 from steerserve.server.metrics import Metrics
-from steerserve.server.policy import MODES, Decision, LoadedArtifact, SteeringPolicy
+from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
+from steerserve.server.steering import MODES
 
 logger = logging.getLogger("steerserve.server")
+
+_ARTIFACT_REF = re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}(/[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99})?$"
+)
 
 
 @dataclass
@@ -34,26 +41,18 @@ class ServerSettings:
     exit_on_load_failure: bool = False  # the CLI: a server that cannot load should not idle
 
 
-@dataclass
-class Call:
-    """Per-request bookkeeping read by the error handlers (metrics need endpoint and arm)."""
-
-    endpoint: str
-    arm: str = "none"
-    t0: float = field(default_factory=time.perf_counter)
-
-
 class ServerState:
-    """The app's state: settings, engine, policy, metrics, readiness."""
+    """The app's state: settings, backend, policy, language detector, metrics, readiness."""
 
     def __init__(self, settings: ServerSettings) -> None:
         if settings.steering not in MODES:
             raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
         self.settings = settings
-        self.engine = ServingEngine(settings.engine)
+        self.backend = Backend(settings.engine)
         self.policy = SteeringPolicy(
-            self.engine.registry, settings.steering, settings.engine.max_abs_scale
+            self.backend.registry, settings.steering, settings.engine.max_abs_scale
         )
+        self.detector = LanguageDetector()
         self.metrics = Metrics()
         self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
@@ -62,18 +61,15 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.loaded and self.engine.ready
-
-    # --- startup -----------------------------------------------------------------------------
+        return self.loaded and self.backend.ready
 
     async def load(self) -> None:
+        """Start the engine, register the artifacts made for this model (the first of
+        :func:`newest_first` becomes the default), fall back to ``off`` without one."""
         try:
-            await self.engine.start()
-            if self.engine.cfg.steering:
-                arts = await asyncio.to_thread(
-                    load_artifacts, self.settings.vectors_dir, self.settings.engine.model
-                )
-                for art in default_first(arts):
+            await self.backend.start()
+            if self.backend.cfg.steering:
+                for art in newest_first(await asyncio.to_thread(self._artifacts)):
                     await self.add_artifact(art)
             if self.policy.default_artifact is None and self.policy.default != "off":
                 if self.policy.default == "on":
@@ -84,7 +80,7 @@ class ServerState:
                 logger.warning("no steering artifact for this model: default policy is off")
                 self.policy.default = "off"
             if self.policy.default_artifact is not None:
-                await asyncio.to_thread(self.policy.detector.warm)
+                await asyncio.to_thread(self.detector.warm)
             self.loaded = True
             self.metrics.ready.set(1)
             logger.info(
@@ -102,67 +98,67 @@ class ServerState:
             if self.settings.exit_on_load_failure:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    def finish(self, call: Call, status: int, timed: bool = True) -> None:
-        """Count a finished request and log it (one structured line per request)."""
-        seconds = time.perf_counter() - call.t0
-        self.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
-        logger.info(
-            "request endpoint=%s arm=%s status=%d ms=%.1f",
-            call.endpoint,
-            call.arm,
-            status,
-            seconds * 1e3,
-        )
+    def _artifacts(self) -> list[Artifact]:
+        """The verified artifacts in the vectors directory bound to this model."""
+        root = self.settings.vectors_dir
+        if root is None or not Path(root).is_dir():
+            return []
+        return artifacts_for_model(root, self.settings.engine.model)
 
-    async def add_artifact(self, art: Any, make_default: bool = False) -> LoadedArtifact:
-        m = art.manifest
-        for iv in m.interventions:
-            await self.engine.register(m.vector_name(iv), art.tensors[iv.tensor], str(art.path))
-        loaded = LoadedArtifact.from_artifact(art)
-        self.policy.add(loaded, make_default)
-        return loaded
+    async def add_artifact(self, art: Artifact, make_default: bool = False) -> Artifact:
+        for name, tensor in art.named_vectors().items():
+            await self.backend.register(name, tensor, str(art.path))
+        self.policy.add(art, make_default)
+        return art
 
-    # --- per request -------------------------------------------------------------------------
+    # --- the vectors endpoints -------------------------------------------------------------------
 
-    def check(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(
-                f"The model {model!r} does not exist; this server serves {self.model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    def listing(self) -> dict[str, Any]:
+        """``GET /v1/steering/vectors``: the loaded artifacts, the default, the policy."""
+        return {
+            "object": "list",
+            "default": self.policy.default_artifact,
+            "policy": self.policy.default,
+            "data": [
+                {
+                    "id": key,
+                    "name": a.manifest.name,
+                    "version": a.manifest.version,
+                    "default": key == self.policy.default_artifact,
+                    "interventions": sorted(iv.name for iv in a.manifest.interventions),
+                    "manifest": a.manifest.model_dump(mode="json"),
+                }
+                for key, a in self.policy.artifacts.items()
+            ],
+        }
+
+    async def load_named(self, ref: str, make_default: bool) -> dict[str, Any]:
+        """``POST /v1/steering/vectors``: load ``name[/version]`` (its newest version when
+        omitted) from the vectors directory; never a path."""
         if not self.ready:
+            raise ApiError("the engine is still loading", status=503, type="service_unavailable")
+        if not _ARTIFACT_REF.match(ref) or ".." in ref:
             raise ApiError(
-                "the engine is still loading" if self.load_error is None else "the engine failed",
-                status=503,
-                type="service_unavailable",
+                "name: must be an artifact name, optionally /version (never a path)", param="name"
             )
-
-    async def steer(self, raw: Any, text: str, force: bool = False) -> tuple[Decision, Prepared]:
-        lang = None
-        if self.policy.mode_of(raw) == "auto":
-            try:
-                lang = await asyncio.to_thread(self.policy.detector.detect, text)
-            except Exception:  # undetectable text: "unsure", which auto treats as English
-                lang = None
-        decision = self.policy.resolve(raw, language=lang, force=force)
+        if not self.backend.cfg.steering:
+            raise ApiError("this server was built without the steering plugin", param="name")
+        name, _, version = ref.partition("/")
+        found = [
+            a
+            for a in await asyncio.to_thread(self._artifacts)
+            if a.manifest.name == name and (not version or a.manifest.version == version)
+        ]
+        if not found:
+            raise ApiError(
+                f"name: no artifact {ref!r} for this model in the vectors directory",
+                status=404,
+                param="name",
+                code="artifact_not_found",
+            )
         try:
-            prepared = self.engine.prepare(list(decision.entries) or None)
-        except ValueError as e:
-            msg = str(e)
-            if decision.policy == "entries":
-                msg = msg.replace("steering[", "steering.entries[", 1)
-            param = msg.split(":", 1)[0] if ":" in msg else "steering"
-            raise ApiError(msg, param=param) from None
-        if force and not prepared.steered:
-            raise ApiError("steering: the steered arm would not be steered", param="steering")
-        return decision, prepared
-
-
-def default_first(arts: list[Any]) -> list[Any]:
-    """Load order: by name, latest version first; the first one becomes the default."""
-    from steerserve.artifacts import _version_key
-
-    newest = sorted(arts, key=lambda a: _version_key(a.manifest.version), reverse=True)
-    return sorted(newest, key=lambda a: a.manifest.name)
+            loaded = await self.add_artifact(newest_first(found)[0], make_default=make_default)
+        except ValueError as e:  # same name/version, other data: artifacts are immutable
+            raise ApiError(str(e), status=409, param="name", code="conflict") from None
+        logger.info("loaded artifact %s (default: %s)", loaded.key, self.policy.default_artifact)
+        return {"loaded": loaded.key, **self.listing()}

@@ -1,4 +1,4 @@
-"""The server's engine: vLLM ``AsyncLLM`` with the steering plugin, built off the event loop.
+"""The server's backend: vLLM ``AsyncLLM`` with the steering plugin, built off the event loop.
 
 Reuses the engine package's front-end pieces (``engine_kwargs``, ``Admission``, ``make_prompt``,
 ``with_steering``, ``vector_payload``, ``check_workers``) so the server and the offline API can
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from steerserve.server.protocol import ApiError
 logger = logging.getLogger(__name__)
 
 
-class ServingEngine:
+class Backend:
     """One AsyncLLM and the admission state (registered vectors) that goes with it."""
 
     def __init__(self, cfg: EngineConfig) -> None:
@@ -88,31 +87,6 @@ class ServingEngine:
             await self.llm.collective_rpc("steer_register", args=vector_payload(rv))
             return self.registry.add(name, rv.tensor, source)
 
-    # --- prompts ---------------------------------------------------------------------------------
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat with the model's template; base models without one get a plain
-        transcript (a lone user message is sent as is, so few-shot prompts work through chat)."""
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            enc = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = enc["input_ids"] if not isinstance(enc, list) else enc
-            return list(ids)
-        turns = [m for m in messages if m["role"] != "system"]
-        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
-        if len(turns) == 1 and turns[0]["role"] == "user":
-            text = turns[0]["content"]
-        else:
-            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in turns)
-            text += "Assistant:"
-        return self.encode(f"{system}\n\n{text}" if system else text)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
-
     @property
     def max_model_len(self) -> int:
         return int(self.llm.model_config.max_model_len)
@@ -153,18 +127,9 @@ class ServingEngine:
         except Exception as e:  # vLLM's own checks (ValueError / VLLMValidationError)
             raise ApiError(str(e)) from None
 
-    def check_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise ApiError(f"{param}: the prompt is empty", param=param)
-        vocab = self.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(
-                f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param
-            )
-
-    def prepare(self, entries: Sequence[Any] | None) -> Prepared:
-        return self.admission.prepare(entries)
+    def prepare(self, entries: Sequence[Any] | None, field: str = "steering") -> Prepared:
+        """Admit entries (``SteeringError`` naming the field under ``field``)."""
+        return self.admission.prepare(entries, field=field)
 
     def generate(
         self, prompt_ids: Sequence[int], params: Any, prepared: Prepared, request_id: str
@@ -173,10 +138,6 @@ class ServingEngine:
         return self.llm.generate(
             make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
         )
-
-    async def abort(self, request_id: str) -> None:
-        if self.llm is not None:
-            await self.llm.abort(request_id)
 
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
@@ -201,7 +162,7 @@ class ServingEngine:
             await asyncio.to_thread(llm.shutdown)
 
 
-# --- consuming engine streams --------------------------------------------------------------------
+# --- errors ------------------------------------------------------------------------------------
 
 
 def engine_error(e: BaseException) -> ApiError:
@@ -221,75 +182,3 @@ def engine_error(e: BaseException) -> ApiError:
         return ApiError("the engine died", status=503, type="service_unavailable")
     logger.error("generation failed", exc_info=e)
     return ApiError("generation failed", status=500, type="server_error")
-
-
-async def collect(gen: AsyncGenerator[Any, None]) -> Any:
-    """The last output of a FINAL_ONLY stream."""
-    last = None
-    async for out in gen:
-        last = out
-    return last
-
-
-async def merge(gens: list[AsyncGenerator[Any, None]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several engine streams; closing the merge cancels (aborts) them all."""
-    if len(gens) == 1:
-        async for out in gens[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, gen: AsyncGenerator[Any, None]) -> None:
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def prime(gen: AsyncGenerator[Any, None]) -> Any:
-    """Submit the request and wait for its first output, so engine-side refusals are still a
-    proper 4xx (the stream's 200 is not sent yet)."""
-    try:
-        return await gen.__anext__()
-    except StopAsyncIteration:
-        return None
-    except Exception as e:
-        await gen.aclose()
-        raise engine_error(e) from None
-
-
-async def chained(first: Any, gen: AsyncGenerator[Any, None]) -> AsyncIterator[Any]:
-    """``first`` (from :func:`prime`) followed by the rest of ``gen``."""
-    if first is not None:
-        yield first
-        async for out in gen:
-            yield out
-
-
-def load_artifacts(root: str | Path | None, model_dir: str | Path) -> list[Any]:
-    """The verified artifacts under ``root`` bound to this model (others skipped, logged)."""
-    if root is None or not Path(root).is_dir():
-        return []
-    from steerserve.artifacts import artifacts_for_model
-
-    return artifacts_for_model(root, model_dir)

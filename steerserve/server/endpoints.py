@@ -1,0 +1,414 @@
+"""What differs between chat, completions and the A/B endpoint: the request schema, how prompts
+become token ids, and how engine outputs become OpenAI answers or SSE events. The path every
+request takes (``pipeline.py``) is shared."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from steerserve.server import protocol as P
+from steerserve.server.protocol import ApiError
+
+MAX_PROMPTS = 128
+
+
+@dataclass
+class Prompts:
+    """A request's prompts: token ids, their texts (echo) and the text ``auto`` detects."""
+
+    ids: list[list[int]]
+    texts: list[str]
+    language_text: str
+
+
+@dataclass(frozen=True)
+class ArmOutput:
+    """The final engine outputs of one steering arm, one per prompt."""
+
+    rid: str  # the response id
+    info: P.SteeringInfo
+    outputs: list[Any]
+    usage: P.Usage
+
+
+def sse(model: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event."""
+    if isinstance(model, BaseModel):
+        return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    import json
+
+    return f"data: {json.dumps(model, separators=(',', ':'))}\n\n"
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+
+
+def _token_text(lp: Any, token_id: int, tokenizer: Any) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else tokenizer.decode([token_id])
+
+
+def _logprob(lp: Any) -> float:
+    return max(lp.logprob, -9999.0)  # JSON has no -inf
+
+
+def _tokens(
+    token_ids: list[int], logprobs: list[dict[int, Any]], top: int, tokenizer: Any
+) -> Iterator[tuple[str, Any, list[tuple[str, Any]]]]:
+    """Per generated token: its text, its ``Logprob`` and the ``top`` best (text, ``Logprob``)."""
+    for tid, lps in zip(token_ids, logprobs, strict=False):
+        chosen = lps[tid]
+        ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top] if top else []
+        best = [(_token_text(lp, i, tokenizer), lp) for i, lp in ranked]
+        yield _token_text(chosen, tid, tokenizer), chosen, best
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Any]] | None, top: int, tokenizer: Any
+) -> P.ChatLogprobs | None:
+    """OpenAI chat ``logprobs.content`` from vLLM's per-token ``{token_id: Logprob}``."""
+    if logprobs is None:
+        return None
+    content = [
+        P.TokenLogprob(
+            token=tok,
+            logprob=_logprob(chosen),
+            bytes=list(tok.encode()),
+            top_logprobs=[
+                P.TopLogprob(token=t, logprob=_logprob(lp), bytes=list(t.encode()))
+                for t, lp in best
+            ],
+        )
+        for tok, chosen, best in _tokens(token_ids, logprobs, top, tokenizer)
+    ]
+    return P.ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Any]] | None,
+    top: int,
+    tokenizer: Any,
+    offset: int = 0,
+) -> P.CompletionLogprobs | None:
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if logprobs is None:
+        return None
+    out = P.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for tok, chosen, best in _tokens(token_ids, logprobs, top, tokenizer):
+        out.tokens.append(tok)
+        out.token_logprobs.append(_logprob(chosen))
+        out.top_logprobs.append({t: _logprob(lp) for t, lp in best})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat with the model's template; base models without one get a plain
+    transcript (a lone user message is sent as is, so few-shot prompts work through chat)."""
+    if getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"] if not isinstance(enc, list) else enc)
+    turns = [m for m in messages if m["role"] != "system"]
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    if len(turns) == 1 and turns[0]["role"] == "user":
+        text = turns[0]["content"]
+    else:
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in turns)
+        text += "Assistant:"
+    return list(tokenizer.encode(f"{system}\n\n{text}" if system else text))
+
+
+class Chat:
+    """``POST /v1/chat/completions``."""
+
+    name = "chat"
+    schema = P.ChatCompletionRequest
+    id_prefix = "chatcmpl"
+    ab = False
+
+    def admit(self, req: P.ChatCompletionRequest) -> None:
+        """Refusals and defaults of this endpoint, before anything is tokenized."""
+
+    def prompts(self, req: P.ChatCompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in req.messages
+        ]
+        try:
+            ids = chat_ids(tokenizer, messages)
+        except Exception as e:  # a template that refuses the conversation (e.g. role order)
+            raise ApiError(
+                f"messages: the chat template refused them: {e}", param="messages"
+            ) from None
+        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        return Prompts([ids], [user], user)
+
+    def logprobs(self, req: P.ChatCompletionRequest) -> int | None:
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    def completion(
+        self, req: P.ChatCompletionRequest, arm: ArmOutput, tokenizer: Any
+    ) -> P.ChatCompletion:
+        [out] = arm.outputs
+        choices = [
+            P.ChatChoice(
+                index=o.index,
+                message=P.AssistantMessage(content=o.text),
+                logprobs=chat_logprobs(
+                    list(o.token_ids), o.logprobs, req.top_logprobs or 0, tokenizer
+                ),
+                finish_reason=o.finish_reason,
+            )
+            for o in sorted(out.outputs, key=lambda o: o.index)
+        ]
+        return P.ChatCompletion(
+            id=arm.rid,
+            created=int(time.time()),
+            model=req.model,
+            choices=choices,
+            usage=arm.usage,
+            steering=arm.info,
+        )
+
+    def answer(
+        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+    ) -> BaseModel:
+        [arm] = arms
+        return self.completion(req, arm, tokenizer)
+
+    def events(
+        self,
+        req: P.ChatCompletionRequest,
+        prompts: Prompts,
+        rid: str,
+        info: P.SteeringInfo,
+        tokenizer: Any,
+    ) -> ChatEvents:
+        return ChatEvents(req, rid, info, tokenizer)
+
+
+class ABChat(Chat):
+    """``POST /v1/chat/completions/ab``: the unsteered and the steered arm with one seed."""
+
+    name = "ab"
+    ab = True
+
+    def admit(self, req: P.ChatCompletionRequest) -> None:
+        if req.stream:
+            raise ApiError("stream: the A/B endpoint does not stream", param="stream")
+        if req.seed is None:
+            req.seed = random.randrange(2**31)  # both arms sample with the same seed
+
+    def answer(
+        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+    ) -> BaseModel:
+        un, st = (self.completion(req, arm, tokenizer) for arm in arms)
+        texts = [[c.message.content for c in r.choices] for r in (un, st)]
+        return P.ABResponse(unsteered=un, steered=st, identical=texts[0] == texts[1])
+
+
+class ChatEvents:
+    """Chat chunks: the role, then content/logprob deltas, then usage if asked for."""
+
+    def __init__(
+        self, req: P.ChatCompletionRequest, rid: str, info: P.SteeringInfo, tokenizer: Any
+    ) -> None:
+        self.req, self.rid, self.info, self.tok = req, rid, info, tokenizer
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[P.ChunkChoice], **kw: Any) -> str:
+        return sse(
+            P.ChatCompletionChunk(
+                id=self.rid, created=self.created, model=self.req.model, choices=choices, **kw
+            )
+        )
+
+    def head(self) -> Iterator[str]:
+        role = P.Delta(role="assistant", content="")
+        choices = [P.ChunkChoice(index=i, delta=role) for i in range(self.req.n)]
+        yield self._chunk(choices, steering=self.info)
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        top = self.req.top_logprobs or 0
+        for o in out.outputs:
+            lp = (
+                chat_logprobs(list(o.token_ids), o.logprobs, top, self.tok)
+                if self.req.logprobs
+                else None
+            )
+            if o.text or lp or o.finish_reason:
+                delta = P.Delta(content=o.text) if o.text else P.Delta()
+                c = P.ChunkChoice(
+                    index=o.index, delta=delta, logprobs=lp, finish_reason=o.finish_reason
+                )
+                yield self._chunk([c])
+
+    def tail(self, usage: P.Usage) -> Iterator[str]:
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield self._chunk([], usage=usage, steering=self.info)
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+
+class Completions:
+    """``POST /v1/completions``: one or several prompts (text or token ids), ``n`` samples each."""
+
+    name = "completions"
+    schema = P.CompletionRequest
+    id_prefix = "cmpl"
+    ab = False
+
+    def admit(self, req: P.CompletionRequest) -> None:
+        if req.echo and req.logprobs is not None:
+            raise ApiError("echo: cannot be combined with logprobs", param="echo")
+
+    def prompts(self, req: P.CompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
+        """Token ids and texts of ``prompt`` (a string, strings, ids or lists of ids); ids are
+        checked against the vocabulary before anything decodes them."""
+        p: Any = req.prompt
+        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+            p = [p]
+        if not p:
+            raise ApiError("prompt: must not be empty", param="prompt")
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+        if isinstance(p[0], str):
+            try:
+                ids = [list(tokenizer.encode(t)) for t in p]
+            except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
+                raise ApiError(f"prompt: cannot be tokenized: {e}", param="prompt") from None
+            return Prompts(ids, list(p), "\n".join(p))
+        ids = [list(x) for x in p]
+        for x in ids:
+            _check_ids(x, vocab_size)
+        texts = [tokenizer.decode(x) for x in ids]
+        return Prompts(ids, texts, "\n".join(texts))
+
+    def logprobs(self, req: P.CompletionRequest) -> int | None:
+        return req.logprobs
+
+    def answer(
+        self, req: P.CompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+    ) -> BaseModel:
+        [arm] = arms
+        choices = []
+        for i, out in enumerate(arm.outputs):
+            echo = prompts.texts[i] if req.echo else ""
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                lp = completion_logprobs(
+                    list(o.token_ids), o.logprobs, req.logprobs or 0, tokenizer
+                )
+                choices.append(
+                    P.CompletionChoice(
+                        index=i * req.n + o.index,
+                        text=echo + o.text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                    )
+                )
+        return P.Completion(
+            id=arm.rid,
+            created=int(time.time()),
+            model=req.model,
+            choices=choices,
+            usage=arm.usage,
+            steering=arm.info,
+        )
+
+    def events(
+        self,
+        req: P.CompletionRequest,
+        prompts: Prompts,
+        rid: str,
+        info: P.SteeringInfo,
+        tokenizer: Any,
+    ) -> CompletionEvents:
+        return CompletionEvents(req, prompts, rid, info, tokenizer)
+
+
+class CompletionEvents:
+    """Completion chunks of several prompts merged as they come (choice index = prompt * n +
+    sample), echoed prompts first if asked for, then usage if asked for. The first chunk carries
+    the steering."""
+
+    def __init__(
+        self,
+        req: P.CompletionRequest,
+        prompts: Prompts,
+        rid: str,
+        info: P.SteeringInfo,
+        tokenizer: Any,
+    ) -> None:
+        self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokenizer
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}
+        self.first = True
+
+    def _chunk(self, choices: list[P.CompletionChoice], **kw: Any) -> str:
+        if self.first:
+            kw.setdefault("steering", self.info)
+            self.first = False
+        return sse(
+            P.Completion(
+                id=self.rid, created=self.created, model=self.req.model, choices=choices, **kw
+            )
+        )
+
+    def head(self) -> Iterator[str]:
+        if self.req.echo:
+            for i, text in enumerate(self.prompts.texts):
+                for j in range(self.req.n):
+                    yield self._chunk(
+                        [P.CompletionChoice(index=i * self.req.n + j, text=text)],
+                        steering=self.info,
+                    )
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        for o in out.outputs:
+            idx = i * self.req.n + o.index
+            lp = None
+            if self.req.logprobs is not None:
+                offset = self.offsets.get(idx, 0)
+                lp = completion_logprobs(
+                    list(o.token_ids), o.logprobs, self.req.logprobs, self.tok, offset
+                )
+                self.offsets[idx] = offset + len(o.text)
+            if o.text or lp or o.finish_reason or self.first:
+                yield self._chunk(
+                    [
+                        P.CompletionChoice(
+                            index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
+                        )
+                    ]
+                )
+
+    def tail(self, usage: P.Usage) -> Iterator[str]:
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield self._chunk([], usage=usage, steering=self.info)
+
+
+def _check_ids(ids: list[int], vocab: int) -> None:
+    if not ids:
+        raise ApiError("prompt: the prompt is empty", param="prompt")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(
+            f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+        )
+
+
+#: The endpoints :func:`steerserve.server.pipeline.handle` serves.
+Endpoint = Chat | ABChat | Completions
+CHAT, AB, COMPLETIONS = Chat(), ABChat(), Completions()

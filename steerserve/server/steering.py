@@ -1,0 +1,135 @@
+"""A request's ``steering`` as one typed value: a discriminated union parsed with the body.
+
+``false``/``true``/``"auto"`` (also ``"off"``/``"on"``) and the two object forms become
+:class:`Off`, :class:`On`, :class:`Auto`, :class:`Multipliers` or :class:`Entries`; the policy
+turns one into engine entries. Refusals carry their own message and, where it lies deeper than
+pydantic's location, the rest of their field in the error's context (``field``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Tag, model_validator
+from pydantic_core import PydanticCustomError
+
+from steerserve.engine.spec import SteeringEntry, SteeringError, entry
+
+STEERING_DOC = (
+    'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
+    '| {"entries": [{"vector", "layer", "scale", "positions"}]}; absent: the server default'
+)
+MODES = ("off", "on", "auto")
+
+
+def _refuse(message: str, field: str = "") -> PydanticCustomError:
+    """A validation error with our own message; ``field`` extends its location (see
+    :func:`api_error`)."""
+    return PydanticCustomError("steering", "{message}", {"message": message, "field": field})
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Off(_Spec):
+    """``false``: unsteered."""
+
+
+class On(_Spec):
+    """``true``: the default artifact's interventions at their calibrated settings."""
+
+
+class Auto(_Spec):
+    """``"auto"``: :class:`On` when the prompt's language is detected and is not English."""
+
+
+def _multiplier(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _refuse(f"the multiplier must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _multipliers(v: Any) -> Any:
+    if v is not None and (not isinstance(v, Mapping) or not v):
+        raise _refuse("must be a non-empty object {name: multiplier}")
+    return v
+
+
+def _artifact_ref(v: Any) -> Any:
+    if v is not None and not isinstance(v, str):
+        raise _refuse("must be a string")
+    return v
+
+
+class Multipliers(_Spec):
+    """``{"interventions": {name: multiplier}, "artifact"?: "name[/version]"}``: the artifact's
+    calibrated entries, each scale times its multiplier (no ``interventions``: all at 1)."""
+
+    interventions: Annotated[
+        dict[str, Annotated[float, BeforeValidator(_multiplier)]] | None,
+        BeforeValidator(_multipliers),
+    ] = None
+    artifact: Annotated[str | None, BeforeValidator(_artifact_ref)] = None
+
+
+def _entries(v: Any) -> tuple[SteeringEntry, ...]:
+    if not isinstance(v, list) or not v:
+        raise _refuse("must be a non-empty list of {vector, layer, scale, positions}")
+    try:
+        return tuple(entry(item, f"[{i}]") for i, item in enumerate(v))
+    except SteeringError as e:
+        raise _refuse(e.reason, e.field) from None
+
+
+class Entries(_Spec):
+    """``{"entries": [...]}``: explicit engine entries (the engine checks vectors and layers)."""
+
+    entries: Annotated[tuple[SteeringEntry, ...], BeforeValidator(_entries)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alone(cls, v: Any) -> Any:
+        if isinstance(v, Mapping) and ("interventions" in v or "artifact" in v):
+            raise _refuse("'entries' cannot be combined with 'interventions' or 'artifact'")
+        return v
+
+
+def _variant(v: Any) -> str:
+    if isinstance(v, Mapping):
+        return "Entries" if "entries" in v else "Multipliers"
+    return type(v).__name__
+
+
+def _shorthand(raw: Any) -> Any:
+    """``false | true | "off" | "on" | "auto"`` become their variant; objects go on to the union."""
+    if raw is None or isinstance(raw, (_Spec, Mapping)):
+        return raw
+    if isinstance(raw, bool):
+        return On() if raw else Off()
+    if isinstance(raw, str):
+        if raw in MODES:
+            return {"off": Off, "on": On, "auto": Auto}[raw]()
+        raise _refuse(f'{raw!r} is not one of false, true, "auto" (or an object)')
+    raise _refuse(
+        "must be false, true, \"auto\", or an object with 'interventions' or 'entries'; "
+        f"got {type(raw).__name__}"
+    )
+
+
+#: A request's ``steering``, parsed: None means "the server's default".
+SteeringSpec = Off | On | Auto | Multipliers | Entries
+Steering = Annotated[
+    Annotated[
+        Annotated[Off, Tag("Off")]
+        | Annotated[On, Tag("On")]
+        | Annotated[Auto, Tag("Auto")]
+        | Annotated[Multipliers, Tag("Multipliers")]
+        | Annotated[Entries, Tag("Entries")],
+        Discriminator(_variant),
+    ]
+    | None,
+    BeforeValidator(_shorthand),
+]
