@@ -17,7 +17,7 @@ the front end); ``both`` binds the worker's OpenMP threads to every core
 
     .venv/bin/python bench/chat_model.py                          # default arms, markdown tables
     .venv/bin/python bench/chat_model.py --arms server:auto:eager:auto,server:auto:eager:both
-    .venv/bin/python bench/chat_model.py --first-start --write-docs
+    .venv/bin/python bench/chat_model.py --first-start --write-docs --label 'first start'
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -161,17 +162,20 @@ def arm_server(model: str, dtype: str, compiled: bool, args: argparse.Namespace)
         b.stop()
 
 
-def arm_start() -> dict:
-    """First start into an empty cache (assemble + convert + checks), then a warm resolve."""
+def arm_start(model: str, cache: str | None) -> dict:
+    """First start (assemble + convert + checks), then a warm resolve, into ``cache`` (default: a
+    tmp dir, removed after); a conversion already there is replaced."""
     from steerserve import models
 
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
-        os.environ["STEERSERVE_CACHE"] = tmp
+    name = models.DEFAULT_MODEL if model == "default" else model
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["STEERSERVE_CACHE"] = cache or tmp
+        shutil.rmtree(models.model_dir(name), ignore_errors=True)
         t = time.perf_counter()
-        path = models.resolve_model("default")
+        path = models.resolve_model(name)
         first = time.perf_counter() - t
         t = time.perf_counter()
-        models.resolve_model("default")
+        models.resolve_model(name)
         warm = time.perf_counter() - t
         marker = models.read_marker(path)
     return {"first_s": first, "warm_s": warm, "marker": marker}
@@ -179,7 +183,7 @@ def arm_start() -> dict:
 
 def child(spec: str, args: argparse.Namespace) -> None:
     if spec == "start":
-        out = arm_start()
+        out = arm_start(args.model, args.cache)
     else:
         from steerserve.models import resolve_model
 
@@ -199,6 +203,7 @@ def run_arm(spec: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", spec, "--model", args.model]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
     cmd += ["--requests", str(args.requests), "--vector-norm", str(args.vector_norm)]
+    cmd += ["--cache", args.cache] if args.cache else []
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -206,8 +211,8 @@ def run_arm(spec: str, args: argparse.Namespace) -> dict:
         raise RuntimeError(f"{spec} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
     out = json.loads(lines[-1][len("RESULT ") :])
     out["wall_s"] = time.perf_counter() - t
-    log = "\n".join(ln for ln in p.stderr.splitlines() if "reserved_cpus" in ln or "core ids" in ln)
-    out["binding"] = re.sub(r"\s+", " ", log).strip()
+    found = re.findall(r"core ids=\[[\d, ]*\]|reserved_cpus=\[[\d, ]*\]", p.stdout + p.stderr)
+    out["binding"] = ", ".join(dict.fromkeys(found))
     print(f"done: {spec} in {out['wall_s']:.0f} s", flush=True)
     return out
 
@@ -256,19 +261,29 @@ def tables(results: dict[str, list[dict]]) -> str:
     return "\n".join(md) + "\n"
 
 
-def write_docs(meta: str, md: str) -> None:
-    """Replace (or add) the ``## Chat model`` section of docs/benchmarks.md; others are kept."""
+SECTION = "## Chat model"
+
+
+def write_docs(label: str, meta: str, md: str) -> None:
+    """Put this run under ``## Chat model`` / ``### <label>`` in docs/benchmarks.md; the section's
+    text, its other runs and the other sections are kept."""
     path = ROOT / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    new = f"## Chat model\n\n{meta}\n\n{md.strip()}\n"
-    m = re.search(r"(?m)^## Chat model\n", text)
-    if m:
-        end = text.find("\n## ", m.end())
-        end = len(text) if end < 0 else end + 1
-        text = text[: m.start()] + new + ("\n" + text[end:] if end < len(text) else "")
+    if SECTION not in text:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\nOne subsection per run.\n"
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + 1)
+    end = len(text) if end < 0 else end + 1
+    parts = re.split(r"(?m)^(?=### )", text[start:end])  # [intro, "### a ...", ...]
+    new = f"### {label}\n\n{meta}\n\n{md.strip()}\n"
+    found = [i for i, part in enumerate(parts) if part.startswith(f"### {label}\n")]
+    if found:
+        parts[found[0]] = new
     else:
-        text = text.rstrip("\n") + "\n\n" + new
-    path.write_text(text)
+        parts.append(new)
+    section = "\n".join(part.strip("\n") + "\n" for part in parts)
+    rest = text[end:]
+    path.write_text(text[:start] + section + ("\n" + rest if rest else ""))
 
 
 def main() -> None:
@@ -282,7 +297,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10, help="sequential 16-token chat replies")
     ap.add_argument("--vector-norm", type=float, default=10.0, help="steering vector norm")
     ap.add_argument("--first-start", action="store_true", help="also time a conversion")
+    ap.add_argument("--cache", help="--first-start converts into this cache (default: a tmp dir)")
     ap.add_argument("--write-docs", action="store_true", help="record in docs/benchmarks.md")
+    ap.add_argument("--label", default="latest run", help="its subsection there")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -298,8 +315,9 @@ def main() -> None:
         for a in arms:
             results.setdefault(a, []).append(run_arm(a, args))
     for k, runs in results.items():
+        print(f"{k}: {runs[0].get('binding')}")
         if k.startswith("server:"):
-            print(f"{k}: {runs[0]['binding']}\n  sample: {runs[0]['sample']['choices'][0]}")
+            print(f"  sample: {runs[0]['sample']['choices'][0]}")
     load1 = os.getloadavg()
     meta = (
         f"`bench/chat_model.py --arms {args.arms} --cycles {args.cycles} --batch {args.batch} "
@@ -314,7 +332,7 @@ def main() -> None:
     md = tables(results)
     print("\n" + meta + "\n\n" + md)
     if args.write_docs:
-        write_docs(meta, md)
+        write_docs(args.label, meta, md)
 
 
 if __name__ == "__main__":
