@@ -323,8 +323,9 @@ def extract(
 
     import torch
 
-    from steerserve.extract import ExtractConfig, load_model, summary
-    from steerserve.extract import extract as run_extract
+    from steerserve.research.extract import ExtractConfig, summary
+    from steerserve.research.extract import extract as run_extract
+    from steerserve.research.hf import load_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -354,7 +355,10 @@ def calibrate(
         Path("out/candidates.safetensors"), help="Output of 'steerserve extract'."
     ),
     out: Path = typer.Option(
-        Path("vectors/gemma-3-270m/v3"), help="Artifact directory to write (NAME/VERSION)."
+        ...,
+        help="Artifact directory to write, ROOT/NAME/VERSION (e.g. vectors/gemma-3-270m/v4); "
+        "NAME and VERSION are the artifact's.",
+        show_default=False,
     ),
     model: str = typer.Option("default", help=_MODEL_HELP),
     per_lang: int = typer.Option(10, help="Calibration facts per non-English language."),
@@ -364,9 +368,13 @@ def calibrate(
     variants: str = typer.Option(
         "recall.native.diff,recall.mixed.diff,recall.en.diff", help="Recall candidates to sweep."
     ),
-    recall_layers: str = typer.Option("", help="e.g. 4,6,8,10 (default: scaled to the depth)."),
+    recall_layers: str = typer.Option(
+        "", help="e.g. 4,6,8,10 (default: 22-56 % of the depth, 4 blocks)."
+    ),
     recall_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
-    translation_layers: str = typer.Option("", help="e.g. 12,14,15,16 (default: scaled)."),
+    translation_layers: str = typer.Option(
+        "", help="e.g. 12,14,15,16 (default: 67-89 % of the depth, 4 blocks)."
+    ),
     translation_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
     positions: str = typer.Option(
         "last_prompt_and_generated", help="First is swept; others tried on the winner."
@@ -381,7 +389,7 @@ def calibrate(
     holdout: int = typer.Option(
         0,
         help="Calibration facts per language (English included) on which the chosen pair is "
-        "re-checked against the baseline (0: no check). With a check, the sweep draws from every "
+        "re-checked against the unsteered arm (0: no check). With a check, the sweep draws from every "
         "other fact and the check from the rest, so the two sets never share a fact.",
     ),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
@@ -392,9 +400,10 @@ def calibrate(
     """Sweep layer x scale x variant jointly on the calibration split; save the artifact."""
     import time
 
-    from steerserve import calibrate as cal
-    from steerserve.evaluate import open_engine
-    from steerserve.extract import Candidates
+    from steerserve.research import calibrate as cal
+    from steerserve.research.arms import UNSTEERED
+    from steerserve.research.evaluate import open_engine
+    from steerserve.research.extract import Candidates
 
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
@@ -441,25 +450,81 @@ def calibrate(
     cal.write_summary(result, summary_dir)
     w = result["chosen"]
     typer.echo(f"wrote {art.path}: chosen {w['recall']} + {w['translation']}")
-    typer.echo(f"calib non-English {w['non_en']:.3f} (baseline {result['baseline']['non_en']:.3f})")
+    typer.echo(
+        f"calib non-English {w['non_en']:.3f} ({UNSTEERED} {result[UNSTEERED]['non_en']:.3f})"
+    )
     if h := result.get("holdout"):
         typer.echo(f"held-out non-English gain {h['non_en_gain']:+.3f} (confirms: {h['confirms']})")
 
 
+_ARTIFACT_HELP = (
+    "Artifact directory (manifest + tensors); default: the artifact the server's 'auto' policy "
+    "would serve for --model from --vectors-dir."
+)
+_VECTORS_HELP = "Where the default artifact is looked up (default: the server's vectors/)."
+
+
+def _artifact(ref: Path | None, model_dir: Path, vectors_dir: str | None, arms: tuple[str, ...]):
+    """``--artifact``, else the one ``auto`` would serve for the model; exits naming what is
+    missing when steered arms are asked for and there is none."""
+    from steerserve.artifacts import ArtifactError, load_artifact, preferred_artifact
+    from steerserve.research.arms import UNSTEERED
+
+    root = vectors_dir or _default_vectors_dir()
+    try:
+        art = (
+            load_artifact(ref, model_dir=model_dir)
+            if ref is not None
+            else preferred_artifact(root, model_dir)
+        )
+    except ArtifactError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    if art is None and arms != (UNSTEERED,):
+        typer.echo(
+            f"error: no steering artifact for the model {model_dir.name!r} under {root!r}: pass "
+            f"--artifact DIR, or --arms {UNSTEERED} for the unsteered arm alone",
+            err=True,
+        )
+        raise typer.Exit(1)
+    return art
+
+
+def _arms(text: str, art: object, controls: bool) -> tuple[str, ...]:
+    """``--arms``, or every arm of the artifact; unknown arms are a usage error."""
+    from steerserve.research.arms import arm_names, check_arms
+
+    arms = _strs(text) if text else arm_names(art, controls=controls)
+    try:
+        check_arms(arms, art)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--arms") from None
+    return arms
+
+
+def _interventions(art: object) -> dict:
+    m = art.manifest  # type: ignore[attr-defined]
+    return {
+        iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
+        for iv in m.interventions
+    }
+
+
 @app.command("eval")
 def eval_cmd(
-    artifact: Path = typer.Option(
-        Path("vectors/gemma-3-270m/v3"), help="Artifact directory (manifest + tensors)."
-    ),
+    artifact: Path | None = typer.Option(None, help=_ARTIFACT_HELP, show_default=False),
+    vectors_dir: str = typer.Option(None, help=_VECTORS_HELP, show_default=False),
     out: Path = typer.Option(Path("out/eval"), help="Writes report.json, report.md, accuracy.png."),
     model: str = typer.Option("default", help=_MODEL_HELP),
     dataset: Path | None = typer.Option(
         None, help="JSONL {id, lang, prompt, answers, answers_en?}; default: built-in test split."
     ),
     arms: str = typer.Option(
-        "baseline,both,random,random_signs,recall,translation",
-        help="Comma-separated arms (each chunk of records runs them in this order; the report "
-        "is rewritten after each chunk).",
+        "",
+        help="Comma-separated arms; default all: unsteered, each intervention, both (all of "
+        "them), random, random_signs (same-norm controls). Each chunk of records runs them in "
+        "this order; the report is rewritten after each chunk.",
+        show_default=False,
     ),
     limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
     shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
@@ -470,38 +535,31 @@ def eval_cmd(
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:
-    """Evaluate arms baseline/recall/translation/both/random/random_signs through the vLLM engine."""
+    """Evaluate an artifact's arms (unsteered, each intervention, both, controls) through vLLM."""
     import time
 
-    from steerserve import evaluate as ev
-    from steerserve.artifacts import ArtifactError, load_artifact
-    from steerserve.facts import eval_records
+    from steerserve.research import evaluate as ev
+    from steerserve.research.facts import eval_records
+    from steerserve.research.scoring import read_dataset
 
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
-    try:
-        art = load_artifact(artifact, model_dir=model_dir)
-    except ArtifactError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    art = _artifact(artifact, model_dir, vectors_dir, ("steered",))
+    arm_list = _arms(arms, art, controls=True)
     if dataset is not None:
-        records = ev.read_dataset(dataset)
+        records = read_dataset(dataset)
     else:
         records = eval_records(split, shots=shots, limit_per_lang=limit_per_lang or None)
     eng = ev.open_engine(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
     t_engine = time.perf_counter() - t0
-    m = art.manifest
     meta: dict = {
         "model": str(model_dir.name),
-        "artifact": f"{m.name}/{m.version}",
+        "artifact": art.key,
         "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
         "n_items": len(records),
-        "interventions": {
-            iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
-            for iv in m.interventions
-        },
+        "interventions": _interventions(art),
     }
 
     def write(done: int, results: dict, times: dict) -> dict:
@@ -513,7 +571,7 @@ def eval_cmd(
         return report
 
     try:
-        results, times = ev.evaluate(eng, art, records, _strs(arms), max_tokens, on_chunk=write)
+        results, times = ev.evaluate(eng, art, records, arm_list, max_tokens, on_chunk=write)
     finally:
         eng.shutdown()
     report = write(len(records), results, times)
@@ -543,13 +601,15 @@ def analyze(
     langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
     artifact: Path | None = typer.Option(
         None,
-        help="Artifact for the steered arms (default: vectors/gemma-3-270m/v3 for the default "
-        "model when it exists; without one only the 'none' arm runs).",
+        help=_ARTIFACT_HELP + " Without one, only '--arms unsteered' runs; anything else fails.",
         show_default=False,
     ),
+    vectors_dir: str = typer.Option(None, help=_VECTORS_HELP, show_default=False),
     arms: str = typer.Option(
-        "none,recall,translation,both",
-        help="Comma-separated: none, recall, translation, both, random (same-norm random vectors).",
+        "",
+        help="Comma-separated arms; default: unsteered, each intervention, both. Also: random, "
+        "random_signs (same-norm controls).",
+        show_default=False,
     ),
     threshold: int = typer.Option(
         10, help="Rank (1 = top) the English answer must reach for a conversion failure."
@@ -568,34 +628,18 @@ def analyze(
 
     import torch
 
-    from steerserve import analyze as an
-    from steerserve.artifacts import ArtifactError, load_artifact
-    from steerserve.evaluate import read_dataset
-    from steerserve.extract import load_model
-    from steerserve.facts import eval_records
-    from steerserve.reference import decoder_layers
+    from steerserve.research import analyze as an
+    from steerserve.research import analyze_report as ar
+    from steerserve.research.facts import eval_records
+    from steerserve.research.hf import decoder_layers, load_model
+    from steerserve.research.scoring import read_dataset
 
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
-    arm_list = _strs(arms)
-    unknown = set(arm_list) - set(an.ARMS)
-    if unknown:
-        raise typer.BadParameter(f"unknown arms {sorted(unknown)}; known: {', '.join(an.ARMS)}")
-    if artifact is None and model in ("default", "gemma-3-270m"):
-        shipped = Path(_default_vectors_dir()) / "gemma-3-270m" / "v1"
-        artifact = shipped if (shipped / "manifest.json").is_file() else None
-    art = None
-    if artifact is not None:
-        try:
-            art = load_artifact(artifact, model_dir=model_dir)
-        except ArtifactError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(1) from None
-    elif arm_list != ("none",):
-        typer.echo("no artifact: running only the 'none' arm (pass --artifact for steering)")
-        arm_list = ("none",)
+    art = _artifact(artifact, model_dir, vectors_dir, _strs(arms))
+    arm_list = _arms(arms, art, controls=False)
     lang_list = None if langs == "all" else _strs(langs)
     if dataset is not None:
         records = an.sample(read_dataset(dataset), sample, lang_list, seed)
@@ -619,17 +663,13 @@ def analyze(
         "vocab_size": int(mdl.config.get_text_config().vocab_size),
     }
     if art is not None:
-        m = art.manifest
-        meta["artifact"] = f"{m.name}/{m.version}"
-        meta["interventions"] = {
-            iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
-            for iv in m.interventions
-        }
+        meta["artifact"] = art.key
+        meta["interventions"] = _interventions(art)
 
     def write(results: dict, times: dict) -> dict:
         meta["timings_s"] = {**times, "total": round(time.perf_counter() - t0, 1)}
-        rep = an.build_report(results, cfg, n_layers, meta)
-        an.write_report(rep, out)
+        rep = ar.build_report(results, cfg, n_layers, meta)
+        ar.write_report(rep, out)
         return rep
 
     results, times = an.run(mdl, tok, records, cfg, arm_list, art, on_arm=write)
@@ -644,7 +684,7 @@ def analyze(
 
 
 def _facts_langs() -> tuple[str, ...]:
-    from steerserve.facts import LANGS
+    from steerserve.research.facts import LANGS
 
     return LANGS
 

@@ -256,6 +256,22 @@ def test_find_and_filter(
     assert A.resolve_artifact("tiny-llama/v2", root) == root / "tiny-llama" / "v2"
     with pytest.raises(A.ArtifactError, match="no artifact 'nope'"):
         A.resolve_artifact("nope", root)
+    # what the server serves by default: the newest sound version bound to the model
+    assert A.preferred_artifact(root, tiny_llama).key == "tiny-llama/v2"
+    assert A.preferred_artifact(root, tiny_gemma).key == "tiny-gemma/v1"
+    assert A.preferred_artifact(root / "nothing", tiny_llama) is None
+    assert [a.key for a in A.newest_first(mine)] == ["tiny-llama/v2", "tiny-llama/v1"]
+
+
+def test_entries_are_the_calibrated_settings(art: A.Artifact) -> None:
+    assert [(e.vector, e.layer, e.scale) for e in art.entries()] == [
+        ("tiny-llama/v1/recall", 2, 4.0),
+        ("tiny-llama/v1/translation", 1, -1.5),
+    ]
+    scaled = art.entries({"translation": 2.0})  # a mapping picks and multiplies
+    assert [(e.vector, e.scale, e.positions) for e in scaled] == [
+        ("tiny-llama/v1/translation", -3.0, "all")
+    ]
 
 
 def test_gguf_round_trip(art: A.Artifact, tiny_llama: Path, tmp_path: Path) -> None:

@@ -36,6 +36,16 @@ class ArmOutput:
     outputs: list[Any]
     usage: P.Usage
 
+    def fields(self, model: str) -> dict[str, Any]:
+        """The fields of the answer besides its choices."""
+        return {
+            "id": self.rid,
+            "created": int(time.time()),
+            "model": model,
+            "usage": self.usage,
+            "steering": self.info,
+        }
+
 
 def sse(model: BaseModel | dict[str, Any]) -> str:
     """One server-sent event."""
@@ -129,16 +139,143 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(f"{system}\n\n{text}" if system else text))
 
 
-class Chat:
+class Events:
+    """A streamed answer as SSE events: ``head()``, ``step(i, out)`` per engine output of prompt
+    i, ``tail(usage)``; the pipeline adds ``[DONE]`` and errors."""
+
+    chunk: type[P.ChatCompletionChunk] | type[P.Completion]
+
+    def __init__(
+        self, req: Any, prompts: Prompts, rid: str, info: P.SteeringInfo, tokenizer: Any
+    ) -> None:
+        self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokenizer
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[Any], **kw: Any) -> str:
+        return sse(
+            self.chunk(
+                id=self.rid, created=self.created, model=self.req.model, choices=choices, **kw
+            )
+        )
+
+    def head(self) -> Iterator[str]:
+        return iter(())
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        raise NotImplementedError
+
+    def tail(self, usage: P.Usage) -> Iterator[str]:
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            yield self._chunk([], usage=usage, steering=self.info)
+
+
+class ChatEvents(Events):
+    """Chat chunks: the role, then content/logprob deltas, then usage if asked for."""
+
+    chunk = P.ChatCompletionChunk
+
+    def head(self) -> Iterator[str]:
+        role = P.Delta(role="assistant", content="")
+        choices = [P.ChunkChoice(index=i, delta=role) for i in range(self.req.n)]
+        yield self._chunk(choices, steering=self.info)
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        top = self.req.top_logprobs or 0
+        for o in out.outputs:
+            lp = (
+                chat_logprobs(list(o.token_ids), o.logprobs, top, self.tok)
+                if self.req.logprobs
+                else None
+            )
+            if o.text or lp or o.finish_reason:
+                delta = P.Delta(content=o.text) if o.text else P.Delta()
+                c = P.ChunkChoice(
+                    index=o.index, delta=delta, logprobs=lp, finish_reason=o.finish_reason
+                )
+                yield self._chunk([c])
+
+
+class CompletionEvents(Events):
+    """Completion chunks of several prompts merged as they come (choice index = prompt * n +
+    sample), echoed prompts first if asked for, then usage if asked for. The first chunk carries
+    the steering."""
+
+    chunk = P.Completion
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.offsets: dict[int, int] = {}
+        self.first = True
+
+    def _chunk(self, choices: list[Any], **kw: Any) -> str:
+        if self.first:
+            kw.setdefault("steering", self.info)
+            self.first = False
+        return super()._chunk(choices, **kw)
+
+    def head(self) -> Iterator[str]:
+        if self.req.echo:
+            for i, text in enumerate(self.prompts.texts):
+                for j in range(self.req.n):
+                    yield self._chunk(
+                        [P.CompletionChoice(index=i * self.req.n + j, text=text)],
+                        steering=self.info,
+                    )
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        for o in out.outputs:
+            idx = i * self.req.n + o.index
+            lp = None
+            if self.req.logprobs is not None:
+                offset = self.offsets.get(idx, 0)
+                lp = completion_logprobs(
+                    list(o.token_ids), o.logprobs, self.req.logprobs, self.tok, offset
+                )
+                self.offsets[idx] = offset + len(o.text)
+            if o.text or lp or o.finish_reason or self.first:
+                yield self._chunk(
+                    [
+                        P.CompletionChoice(
+                            index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
+                        )
+                    ]
+                )
+
+
+class Endpoint:
+    """What an endpoint defines; ``pipeline.handle`` does the rest."""
+
+    name: str  # the metrics endpoint label
+    schema: type[P.ChatCompletionRequest] | type[P.CompletionRequest]
+    id_prefix: str
+    ab = False  # two arms, unsteered and steered
+
+    def admit(self, req: Any) -> None:
+        """Refusals and defaults of this endpoint, before anything is tokenized."""
+
+    def prompts(self, req: Any, tokenizer: Any, vocab_size: int) -> Prompts:
+        raise NotImplementedError
+
+    def logprobs(self, req: Any) -> int | None:
+        """``SamplingParams.logprobs``."""
+        raise NotImplementedError
+
+    def answer(
+        self, req: Any, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+    ) -> BaseModel:
+        """The response body from the final outputs of every arm."""
+        raise NotImplementedError
+
+    events: type[Events]  # of a streamed answer
+
+
+class Chat(Endpoint):
     """``POST /v1/chat/completions``."""
 
     name = "chat"
     schema = P.ChatCompletionRequest
     id_prefix = "chatcmpl"
-    ab = False
-
-    def admit(self, req: P.ChatCompletionRequest) -> None:
-        """Refusals and defaults of this endpoint, before anything is tokenized."""
+    events = ChatEvents
 
     def prompts(self, req: P.ChatCompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
         messages = [
@@ -172,30 +309,13 @@ class Chat:
             )
             for o in sorted(out.outputs, key=lambda o: o.index)
         ]
-        return P.ChatCompletion(
-            id=arm.rid,
-            created=int(time.time()),
-            model=req.model,
-            choices=choices,
-            usage=arm.usage,
-            steering=arm.info,
-        )
+        return P.ChatCompletion(choices=choices, **arm.fields(req.model))
 
     def answer(
         self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
     ) -> BaseModel:
         [arm] = arms
         return self.completion(req, arm, tokenizer)
-
-    def events(
-        self,
-        req: P.ChatCompletionRequest,
-        prompts: Prompts,
-        rid: str,
-        info: P.SteeringInfo,
-        tokenizer: Any,
-    ) -> ChatEvents:
-        return ChatEvents(req, rid, info, tokenizer)
 
 
 class ABChat(Chat):
@@ -218,57 +338,16 @@ class ABChat(Chat):
         return P.ABResponse(unsteered=un, steered=st, identical=texts[0] == texts[1])
 
 
-class ChatEvents:
-    """Chat chunks: the role, then content/logprob deltas, then usage if asked for."""
-
-    def __init__(
-        self, req: P.ChatCompletionRequest, rid: str, info: P.SteeringInfo, tokenizer: Any
-    ) -> None:
-        self.req, self.rid, self.info, self.tok = req, rid, info, tokenizer
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list[P.ChunkChoice], **kw: Any) -> str:
-        return sse(
-            P.ChatCompletionChunk(
-                id=self.rid, created=self.created, model=self.req.model, choices=choices, **kw
-            )
-        )
-
-    def head(self) -> Iterator[str]:
-        role = P.Delta(role="assistant", content="")
-        choices = [P.ChunkChoice(index=i, delta=role) for i in range(self.req.n)]
-        yield self._chunk(choices, steering=self.info)
-
-    def step(self, i: int, out: Any) -> Iterator[str]:
-        top = self.req.top_logprobs or 0
-        for o in out.outputs:
-            lp = (
-                chat_logprobs(list(o.token_ids), o.logprobs, top, self.tok)
-                if self.req.logprobs
-                else None
-            )
-            if o.text or lp or o.finish_reason:
-                delta = P.Delta(content=o.text) if o.text else P.Delta()
-                c = P.ChunkChoice(
-                    index=o.index, delta=delta, logprobs=lp, finish_reason=o.finish_reason
-                )
-                yield self._chunk([c])
-
-    def tail(self, usage: P.Usage) -> Iterator[str]:
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            yield self._chunk([], usage=usage, steering=self.info)
-
-
 # --- completions ---------------------------------------------------------------------------------
 
 
-class Completions:
+class Completions(Endpoint):
     """``POST /v1/completions``: one or several prompts (text or token ids), ``n`` samples each."""
 
     name = "completions"
     schema = P.CompletionRequest
     id_prefix = "cmpl"
-    ab = False
+    events = CompletionEvents
 
     def admit(self, req: P.CompletionRequest) -> None:
         if req.echo and req.logprobs is not None:
@@ -318,85 +397,7 @@ class Completions:
                         finish_reason=o.finish_reason,
                     )
                 )
-        return P.Completion(
-            id=arm.rid,
-            created=int(time.time()),
-            model=req.model,
-            choices=choices,
-            usage=arm.usage,
-            steering=arm.info,
-        )
-
-    def events(
-        self,
-        req: P.CompletionRequest,
-        prompts: Prompts,
-        rid: str,
-        info: P.SteeringInfo,
-        tokenizer: Any,
-    ) -> CompletionEvents:
-        return CompletionEvents(req, prompts, rid, info, tokenizer)
-
-
-class CompletionEvents:
-    """Completion chunks of several prompts merged as they come (choice index = prompt * n +
-    sample), echoed prompts first if asked for, then usage if asked for. The first chunk carries
-    the steering."""
-
-    def __init__(
-        self,
-        req: P.CompletionRequest,
-        prompts: Prompts,
-        rid: str,
-        info: P.SteeringInfo,
-        tokenizer: Any,
-    ) -> None:
-        self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokenizer
-        self.created = int(time.time())
-        self.offsets: dict[int, int] = {}
-        self.first = True
-
-    def _chunk(self, choices: list[P.CompletionChoice], **kw: Any) -> str:
-        if self.first:
-            kw.setdefault("steering", self.info)
-            self.first = False
-        return sse(
-            P.Completion(
-                id=self.rid, created=self.created, model=self.req.model, choices=choices, **kw
-            )
-        )
-
-    def head(self) -> Iterator[str]:
-        if self.req.echo:
-            for i, text in enumerate(self.prompts.texts):
-                for j in range(self.req.n):
-                    yield self._chunk(
-                        [P.CompletionChoice(index=i * self.req.n + j, text=text)],
-                        steering=self.info,
-                    )
-
-    def step(self, i: int, out: Any) -> Iterator[str]:
-        for o in out.outputs:
-            idx = i * self.req.n + o.index
-            lp = None
-            if self.req.logprobs is not None:
-                offset = self.offsets.get(idx, 0)
-                lp = completion_logprobs(
-                    list(o.token_ids), o.logprobs, self.req.logprobs, self.tok, offset
-                )
-                self.offsets[idx] = offset + len(o.text)
-            if o.text or lp or o.finish_reason or self.first:
-                yield self._chunk(
-                    [
-                        P.CompletionChoice(
-                            index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
-                        )
-                    ]
-                )
-
-    def tail(self, usage: P.Usage) -> Iterator[str]:
-        if self.req.stream_options and self.req.stream_options.include_usage:
-            yield self._chunk([], usage=usage, steering=self.info)
+        return P.Completion(choices=choices, **arm.fields(req.model))
 
 
 def _check_ids(ids: list[int], vocab: int) -> None:
@@ -410,5 +411,4 @@ def _check_ids(ids: list[int], vocab: int) -> None:
 
 
 #: The endpoints :func:`steerserve.server.pipeline.handle` serves.
-Endpoint = Chat | ABChat | Completions
 CHAT, AB, COMPLETIONS = Chat(), ABChat(), Completions()

@@ -221,11 +221,20 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
+    """The fields (in their order) every answer and chunk has; subclasses narrow them."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
+    choices: list[Any]
+    usage: Usage | None = None
+    steering: SteeringInfo | None = None
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     steering: SteeringInfo
@@ -243,14 +252,9 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
-    steering: SteeringInfo | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -267,14 +271,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    steering: SteeringInfo | None = None
 
 
 class ABResponse(BaseModel):

@@ -8,7 +8,7 @@ raw means and the residual norms are kept as they are.
 
 import sys
 
-from steerserve.extract import NORM_KEY, Candidates
+from steerserve.research.extract import NORM_KEY, Candidates
 
 if __name__ == "__main__":
     src, dst = sys.argv[1], sys.argv[2]

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from steerserve import facts
-from steerserve.facts import (
+from steerserve.research import facts
+from steerserve.research.facts import (
     LANGS,
     PAPER_LANGS,
     RELATIONS,
@@ -24,7 +24,9 @@ from steerserve.facts import (
 def test_build_is_deterministic_and_committed() -> None:
     text = build.render(build.build_records())
     assert text == build.render(build.build_records())
-    assert text == facts.DATA.read_text(encoding="utf-8"), "run python -m steerserve.facts.build"
+    assert text == facts.DATA.read_text(encoding="utf-8"), (
+        "run python -m steerserve.research.facts.build"
+    )
 
 
 def test_coverage() -> None:

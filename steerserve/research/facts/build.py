@@ -1,6 +1,6 @@
 """Build ``facts.jsonl``: a multilingual fact set derived offline from CLDR (via babel).
 
-Run ``python -m steerserve.facts.build`` to regenerate (``--check`` only compares). The output is a
+Run ``python -m steerserve.research.facts.build`` to regenerate (``--check`` only compares). The output is a
 pure function of this file and babel's CLDR data, so a rebuild is byte-identical.
 
 Relations (subject -> answer):
@@ -29,7 +29,7 @@ from babel import Locale
 from babel.core import get_global
 from babel.numbers import get_territory_currencies
 
-from steerserve.facts import DATA, LANGS, RELATIONS
+from steerserve.research.facts import DATA, LANGS, RELATIONS
 
 SPLIT_SHARES = (("train", 0.5), ("calib", 0.2), ("test", 0.3))
 

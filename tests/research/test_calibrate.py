@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from steerserve import calibrate as cal
 from steerserve.artifacts import load_artifact
-from steerserve.extract import Candidates, ExtractConfig, extract, load_model
+from steerserve.research import calibrate as cal
+from steerserve.research.arms import UNSTEERED, arm_names
+from steerserve.research.extract import Candidates, ExtractConfig, extract
+from steerserve.research.hf import load_model
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def cands(tiny_gemma: Path) -> Candidates:
 
 @pytest.fixture(scope="module")
 def artifact_dir(tiny_gemma: Path, cands: Candidates, tmp_path_factory) -> Path:
-    from steerserve.evaluate import open_engine
+    from steerserve.research.evaluate import open_engine
 
     out = tmp_path_factory.mktemp("vec") / "tiny" / "v1"
     records = cal.calib_records(per_lang=1, en_items=2, shots=1, part=(0, 2))
@@ -52,9 +54,9 @@ def artifact_dir(tiny_gemma: Path, cands: Candidates, tmp_path_factory) -> Path:
         cal.confirm(eng, cands, result, held, log=lambda *_: None)
     finally:
         eng.shutdown()
-    # baseline, 1 recall, 1 translation, 1 joint, 2 fine
+    # unsteered, 1 recall, 1 translation, 1 joint, 2 fine
     assert [r["stage"] for r in result["sweep"]] == [
-        "baseline", "recall", "translation", "joint", "fine", "fine",
+        "unsteered", "recall", "translation", "joint", "fine", "fine",
     ]  # fmt: skip
     cal.build_artifact(cands, result, tiny_gemma, out, "tiny", "v1")
     cal.write_summary(result, out.parent / "summary")
@@ -81,9 +83,8 @@ def test_calibration_artifact_loads(artifact_dir: Path, tiny_gemma: Path) -> Non
 def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from steerserve import evaluate as ev
     from steerserve.cli import app
-    from steerserve.facts import eval_records
+    from steerserve.research.facts import eval_records
 
     ds = tmp_path / "d.jsonl"
     recs = eval_records("test", shots=1, langs=["en", "fr", "ja"], limit_per_lang=2)
@@ -95,7 +96,7 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["arms"]) == set(ev.ARMS)
+    assert set(rep["arms"]) == set(arm_names(load_artifact(artifact_dir)))
     for a in rep["arms"].values():
         assert set(a["per_language"]) == {"en", "fr", "ja"}
         assert a["per_language"]["fr"]["n"] == 2
@@ -105,8 +106,8 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
 
 def test_evaluate_chunks_are_exact(artifact_dir: Path, tiny_gemma: Path) -> None:
     """All arms per chunk (prefix KV reused across arms) = one big chunk, item for item."""
-    from steerserve import evaluate as ev
-    from steerserve.facts import eval_records
+    from steerserve.research import evaluate as ev
+    from steerserve.research.facts import eval_records
 
     art = load_artifact(artifact_dir, model_dir=tiny_gemma)
     recs = eval_records("test", shots=1, langs=["en", "ko"], limit_per_lang=3)
@@ -120,11 +121,12 @@ def test_evaluate_chunks_are_exact(artifact_dir: Path, tiny_gemma: Path) -> None
     finally:
         eng.shutdown()
     assert seen == [4, 6]
-    for arm in ev.ARMS:
+    arms = arm_names(art)
+    for arm in arms:
         assert small[arm].texts == big[arm].texts and len(big[arm].texts) == 6
         assert small[arm].correct == big[arm].correct
-    # Some arm's answers differ from the baseline's, so reusing the prefix KV was a real check.
-    assert any(small[a].texts != small["baseline"].texts for a in ev.ARMS)
+    # Some arm's answers differ from the unsteered ones, so reusing the prefix KV was a real check.
+    assert any(small[a].texts != small[UNSTEERED].texts for a in arms)
 
 
 def test_grid_refuses_unknown_positions() -> None:

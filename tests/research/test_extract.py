@@ -7,19 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from steerserve.extract import (
+from steerserve.research.extract import (
     NORM_KEY,
     Candidates,
     ExtractConfig,
     extract,
     last_token_means,
-    load_model,
     mixed_prompt,
     prompt_groups,
     translation_prompt,
     unit_scaled,
 )
-from steerserve.facts import load_facts, query
+from steerserve.research.facts import load_facts, query
+from steerserve.research.hf import load_model
 
 CFG = ExtractConfig(per_lang=2, langs=("en", "fr", "ja"), batch_size=3)
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from steerserve import __version__
-from steerserve.facts import (
+from steerserve.research.facts import (
     LANGS,
     RELATIONS,
     Fact,
@@ -35,7 +35,7 @@ from steerserve.facts import (
     shot,
     shots_for,
 )
-from steerserve.reference import decoder_layers
+from steerserve.research.hf import decoder_layers, device_of, last_token_outputs, left_padded
 
 #: English names of the fact-set languages, for translation prompts.
 LANG_NAMES: dict[str, str] = {
@@ -185,48 +185,21 @@ def last_token_means(
     from tqdm import tqdm
 
     layers = decoder_layers(model)
-    dev = next(model.parameters()).device
-    captured: list[torch.Tensor | None] = [None] * len(layers)
-
-    def hook(i: int):  # noqa: ANN202
-        def f(module, args, output):  # noqa: ANN001, ARG001
-            h = output[0] if isinstance(output, tuple) else output
-            captured[i] = h[:, -1, :].float()
-
-        return f
-
-    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    dev = device_of(model)
     enc = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
     order = sorted(range(len(enc)), key=lambda i: (len(enc[i]), i))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    total = torch.zeros(
-        len(layers), model.config.get_text_config().hidden_size, dtype=torch.float64
-    )
+    hidden = model.config.get_text_config().hidden_size
+    total = torch.zeros(len(layers), hidden, dtype=torch.float64)
     norms = torch.zeros(len(layers), dtype=torch.float64)
-    try:
+    with last_token_outputs(layers) as captured:
         for b in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
-            idx = order[b : b + batch_size]
-            width = max(len(enc[i]) for i in idx)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, width - len(enc[i]) :] = torch.tensor(enc[i])
-                mask[r, width - len(enc[i]) :] = 1
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            model(
-                input_ids=ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=pos.to(dev),
-                use_cache=False,
-                logits_to_keep=1,  # the LM head over every position dominates a small model
-            )
+            batch = left_padded([enc[i] for i in order[b : b + batch_size]], tokenizer.pad_token_id)
+            # logits_to_keep=1: the LM head over every position dominates a small model
+            model(**batch.inputs(dev), use_cache=False, logits_to_keep=1)
             for li, h in enumerate(captured):
                 assert h is not None
                 total[li] += h.double().sum(0).cpu()
                 norms[li] += h.double().norm(dim=-1).sum().cpu()
-    finally:
-        for hd in handles:
-            hd.remove()
     n = max(len(prompts), 1)
     return (total / n).float(), (norms / n).float()
 
@@ -267,25 +240,11 @@ def extract(model: Any, tokenizer: Any, cfg: ExtractConfig | None = None) -> Can
         "definitions": {
             "recall.<src>.raw": "mean(fewshot.<src>)",
             "recall.<src>.diff": "mean(fewshot.<src>) - mean(zero-shot queries of the same facts)",
-            "translation": "mean(translation) - mean(recall.non_en) (3-shot, non-English)",
+            "translation": f"mean(translation) - mean(recall.non_en) ({cfg.translation_shots}-shot, "
+            "non-English)",
         },
     }
     return Candidates(t, meta)
-
-
-def load_model(
-    name_or_path: str | Path | None, device: str = "cpu", dtype: str = "float32"
-) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` on ``device`` in ``dtype`` (``bfloat16`` on GPU for 3B models)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from steerserve.models import resolve_model
-
-    path = resolve_model(name_or_path)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model.to(device).eval()
-    return model, tok
 
 
 def unit_scaled(c: Candidates, name: str, layer: int) -> torch.Tensor:
@@ -315,7 +274,6 @@ __all__ = [
     "ExtractConfig",
     "extract",
     "last_token_means",
-    "load_model",
     "prompt_groups",
     "summary",
     "unit_scaled",

@@ -1,10 +1,11 @@
 """Joint calibration of the recall and translation vectors through the vLLM engine.
 
-The paper leaves layer, scale, positions and the recall variant open, and the method note records
-that naive single-vector shortcuts fail, so we sweep on the calibration split (never train, never
-test): each vector alone (coarse), then the top few of each jointly, then a finer scale grid
-around the best joint pair. Objective: mean non-English accuracy, subject to English accuracy
-falling by at most ``max_en_drop`` against the unsteered baseline.
+Layer, scale, positions and the recall variant are open choices, and single-vector shortcuts can
+mislead (the best vector alone need not be part of the best pair), so we sweep on the calibration
+split (never train, never test): each vector alone (coarse), then the top few of each jointly,
+then a finer scale grid around the best joint pair. Objective: mean non-English accuracy, subject
+to English accuracy falling by at most ``max_en_drop`` against the unsteered arm. Layers are
+chosen as fractions of the model's depth.
 
 Vectors are unit directions times the layer's mean residual norm, so ``scale`` is in units of
 the residual stream's size at that layer (recorded in the manifest).
@@ -19,18 +20,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from steerserve.evaluate import Entry, generate, score_all
-from steerserve.extract import NORM_KEY, Candidates, unit_scaled
+from steerserve.engine.spec import SteeringEntry
+from steerserve.research import report as R
+from steerserve.research.arms import UNSTEERED
+from steerserve.research.evaluate import generate
+from steerserve.research.extract import NORM_KEY, Candidates, unit_scaled
+from steerserve.research.scoring import by_lang, lang_mean, non_english, score_all
+
+#: Where the vectors are tried, as fractions of the depth: recall in the middle of the stack,
+#: translation late (on an 18-block model blocks 4, 6, 8, 10 and 12, 14, 15, 16).
+RECALL_DEPTHS: tuple[float, ...] = (4 / 18, 6 / 18, 8 / 18, 10 / 18)
+TRANSLATION_DEPTHS: tuple[float, ...] = (12 / 18, 14 / 18, 15 / 18, 16 / 18)
+DESCRIPTION = (
+    "recall task vector + translation difference vector, calibrated jointly on the calibration "
+    "split"
+)
+
+
+def depth_layers(num_layers: int, depths: Sequence[float]) -> tuple[int, ...]:
+    """The blocks at fractional ``depths`` of a ``num_layers``-block model, deduplicated."""
+    return tuple(sorted({min(num_layers - 1, round(d * num_layers)) for d in depths}))
 
 
 @dataclass
 class Grid:
-    """The sweep; defaults are sized for an 18-layer model on a 2-core CPU (~30 configs)."""
+    """The sweep (~30 configurations with the defaults: a 2-core CPU runs them in minutes for a
+    270M model); :meth:`for_layers` places the layers on a model's depth."""
 
     recall_variants: tuple[str, ...] = ("recall.native.diff", "recall.mixed.diff", "recall.en.diff")
-    recall_layers: tuple[int, ...] = (4, 6, 8, 10)
+    recall_layers: tuple[int, ...] = ()
     recall_scales: tuple[float, ...] = (0.25, 0.5)
-    translation_layers: tuple[int, ...] = (12, 14, 15, 16)
+    translation_layers: tuple[int, ...] = ()
     translation_scales: tuple[float, ...] = (0.25, 0.5)
     positions: tuple[str, ...] = ("last_prompt_and_generated",)
     top_k: int = 3  # per vector, carried into the joint stage
@@ -44,19 +64,15 @@ class Grid:
         bad = [p for p in self.positions if p not in POSITIONS]
         if bad or not self.positions:
             raise ValueError(f"positions: {bad or '(none)'}; known: {', '.join(POSITIONS)}")
+        if not self.recall_layers or not self.translation_layers:
+            raise ValueError("layers: none given; Grid.for_layers(num_layers) places them")
 
     @classmethod
     def for_layers(cls, num_layers: int, **kw: Any) -> Grid:
-        """Rescale the default layer choices (given for 18 layers) to another depth."""
-        if num_layers == 18:
-            return cls(**kw)
-
-        def f(ls: Sequence[int]) -> tuple[int, ...]:
-            return tuple(sorted({min(num_layers - 1, round(x * num_layers / 18)) for x in ls}))
-
-        base = cls()
-        kw.setdefault("recall_layers", f(base.recall_layers))
-        kw.setdefault("translation_layers", f(base.translation_layers))
+        """The grid on a ``num_layers``-block model (layers at :data:`RECALL_DEPTHS` and
+        :data:`TRANSLATION_DEPTHS` unless given)."""
+        kw.setdefault("recall_layers", depth_layers(num_layers, RECALL_DEPTHS))
+        kw.setdefault("translation_layers", depth_layers(num_layers, TRANSLATION_DEPTHS))
         return cls(**kw)
 
 
@@ -73,13 +89,8 @@ class Setting:
     def vector(self) -> str:
         return f"cand/{self.variant}/L{self.layer}"
 
-    def entry(self) -> Entry:
-        return {
-            "vector": self.vector,
-            "layer": self.layer,
-            "scale": self.scale,
-            "positions": self.positions,
-        }
+    def entry(self) -> SteeringEntry:
+        return SteeringEntry(self.vector, self.layer, self.scale, self.positions)
 
 
 @dataclass
@@ -114,7 +125,7 @@ class Row:
 def run_config(
     engine: Any,
     records: Sequence[dict],
-    entries: list[Entry] | None,
+    entries: Sequence[SteeringEntry] | None,
     max_tokens: int = 8,
     share_prefix: bool = True,
 ) -> tuple[list[str], float]:
@@ -129,20 +140,11 @@ def run_config(
 
 def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:
     r = score_all(records, texts)
-    acc: dict[str, list[float]] = {}
-    eng: dict[str, list[float]] = {}
-    rany: dict[str, list[float]] = {}
-    for rec, c, e, a in zip(records, r.correct, r.english, r.recall_any, strict=True):
-        acc.setdefault(rec["lang"], []).append(float(c))
-        eng.setdefault(rec["lang"], []).append(float(e))
-        rany.setdefault(rec["lang"], []).append(float(a))
+    acc = by_lang(records, r.correct)
     row.per_lang = {k: sum(v) / len(v) for k, v in acc.items()}
-    ne = [k for k in acc if k != "en"]
-
-    def mean(d: dict[str, list[float]]) -> float:
-        return sum(sum(d[k]) / len(d[k]) for k in ne) / max(len(ne), 1)
-
-    row.non_en, row.english_rate, row.recall_any = mean(acc), mean(eng), mean(rany)
+    row.non_en = lang_mean(non_english(acc))
+    row.english_rate = lang_mean(non_english(by_lang(records, r.english)))
+    row.recall_any = lang_mean(non_english(by_lang(records, r.recall_any)))
     row.en = row.per_lang.get("en", 0.0)
     return row
 
@@ -217,7 +219,7 @@ def calibrate(
     """Coarse marginal sweeps, a joint stage over the top-k of each, a fine scale stage."""
     t0 = time.perf_counter()
     sw = Sweep(engine, cands, records, max_tokens, log)
-    base = sw.run("baseline", None, None)
+    base = sw.run(UNSTEERED, None, None)
     pos0 = grid.positions[0]
     rec_rows = [
         sw.run("recall", Setting(v, layer, s, pos0), None)
@@ -254,11 +256,11 @@ def calibrate(
     winner = (best(both_rows, base, grid.max_en_drop) or [cur])[0]
     return {
         "objective": (
-            f"max mean non-English accuracy s.t. English accuracy >= baseline - "
+            f"max mean non-English accuracy s.t. English accuracy >= {UNSTEERED} - "
             f"{grid.max_en_drop:g} (calibration split)"
         ),
         "chosen": winner.as_dict(),
-        "baseline": base.as_dict(),
+        UNSTEERED: base.as_dict(),
         "feasible": feasible(winner, base, grid.max_en_drop),
         "grid": dataclasses.asdict(grid),
         "n_items": len(records),
@@ -279,6 +281,7 @@ def build_artifact(
     version: str,
     overwrite: bool = False,
     extra_provenance: dict[str, Any] | None = None,
+    description: str = DESCRIPTION,
 ) -> Any:
     """Save the winner as ``recall`` + ``translation`` interventions, the sweep in each manifest
     entry's ``calibration`` (the joint choice is one decision, so both carry it)."""
@@ -314,10 +317,7 @@ def build_artifact(
         version=version,
         model=binding_for_model(model_dir),
         interventions=ivs,
-        description=(
-            "Paths Not Taken (Lu et al., EMNLP 2025): recall task vector + translation "
-            "difference vector, calibrated jointly on the calibration split."
-        ),
+        description=description,
     )
     return save_artifact(out_dir, manifest, tensors, overwrite=overwrite)
 
@@ -329,7 +329,7 @@ def calib_records(
     on English needs more than a handful of items to mean anything), from ``part`` of each
     language's facts (see ``facts.eval_records``; the sweep and its held-out check use
     ``(0, 2)`` and ``(1, 2)``)."""
-    from steerserve.facts import LANGS, eval_records
+    from steerserve.research.facts import LANGS, eval_records
 
     kw = dict(split="calib", shots=shots, part=part)
     out = eval_records(langs=["en"], limit_per_lang=en_items, **kw)
@@ -345,7 +345,7 @@ def confirm(
     max_tokens: int = 8,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Re-run the baseline and the chosen pair on held-out calibration facts.
+    """Re-run the unsteered arm and the chosen pair on held-out calibration facts.
 
     A sweep over many configurations on the same items picks the luckiest; this is the unbiased
     check of the winner. Stored under ``result["holdout"]``; the choice itself is not changed."""
@@ -356,7 +356,7 @@ def confirm(
     gain = row.non_en - base.non_en
     result["holdout"] = {
         "n_items": len(records),
-        "baseline": base.as_dict(),
+        UNSTEERED: base.as_dict(),
         "chosen": row.as_dict(),
         "non_en_gain": round(gain, 4),
         "en_change": round(row.en - base.en, 4),
@@ -369,11 +369,8 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
     """``calibration.json`` (the whole sweep) and ``calibration.md`` (a readable table)."""
     import json
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     clean = {k: v for k, v in result.items() if not k.startswith("_")}
-    (out / "calibration.json").write_text(json.dumps(clean, indent=2, ensure_ascii=False) + "\n")
-    b = result["baseline"]
+    b = result[UNSTEERED]
     lines = [
         "# Calibration sweep (calibration split)",
         "",
@@ -381,7 +378,7 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
         f"- items: {result['n_items']} ({result['n_per_lang']})",
         f"- scale unit: {result['scale_unit']}",
         f"- timings (s): {json.dumps(result.get('timings_s', {}))}",
-        f"- baseline: non-English {b['non_en']:.3f}, English {b['en']:.3f}, "
+        f"- {UNSTEERED}: non-English {b['non_en']:.3f}, English {b['en']:.3f}, "
         f"answered in English {b['english_rate']:.3f}",
         f"- chosen: recall {_fmt_d(result['chosen']['recall'])}, translation "
         f"{_fmt_d(result['chosen']['translation'])} (feasible: {result['feasible']})",
@@ -389,8 +386,8 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
     if h := result.get("holdout"):
         lines.append(
             f"- held-out check ({h['n_items']} other calibration facts): non-English "
-            f"{h['baseline']['non_en']:.3f} -> {h['chosen']['non_en']:.3f}, English "
-            f"{h['baseline']['en']:.3f} -> {h['chosen']['en']:.3f} (confirms: {h['confirms']})"
+            f"{h[UNSTEERED]['non_en']:.3f} -> {h['chosen']['non_en']:.3f}, English "
+            f"{h[UNSTEERED]['en']:.3f} -> {h['chosen']['en']:.3f} (confirms: {h['confirms']})"
         )
     lines += [
         "",
@@ -403,8 +400,7 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
             f"{r['non_en']:.3f} | {r['en']:.3f} | {r['english_rate']:.3f} | "
             f"{r['recall_any']:.3f} | {r['seconds']:.0f} |"
         )
-    (out / "calibration.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return out
+    return R.write(out_dir, clean, "\n".join(lines) + "\n", stem="calibration")
 
 
 def _fmt_d(d: dict[str, Any] | None) -> str:

@@ -11,11 +11,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from steerserve import analyze as an
 from steerserve import artifacts as A
 from steerserve.engine.spec import SteeringEntry
-from steerserve.extract import load_model
-from steerserve.reference import decoder_layers, greedy
+from steerserve.research import analyze as an
+from steerserve.research import analyze_report as ar
+from steerserve.research.hf import decoder_layers, load_model
+from steerserve.research.reference import greedy
 
 PROMPTS = ["Capital: Rome\nCapital:", "国：日本。首都：東京\n国：法国。首都：", "Abc"]
 
@@ -43,7 +44,7 @@ def _records(n: int = 2) -> list[dict]:
     return out
 
 
-def _artifact(model_dir: Path, out: Path, hidden: int) -> A.Artifact:
+def _artifact(model_dir: Path, out: Path, hidden: int, version: str = "v1") -> A.Artifact:
     g = torch.Generator().manual_seed(0)
     ivs = [
         A.Intervention(
@@ -56,7 +57,7 @@ def _artifact(model_dir: Path, out: Path, hidden: int) -> A.Artifact:
         A.Intervention(name="translation", tensor="translation", layer=2, scale=1.0),
     ]
     m = A.Manifest(
-        name="tiny", version="v1", model=A.binding_for_model(model_dir), interventions=ivs
+        name="tiny", version=version, model=A.binding_for_model(model_dir), interventions=ivs
     )
     ts = {k: torch.randn(hidden, generator=g) for k in ("recall", "translation")}
     return A.save_artifact(out, m, ts)
@@ -92,8 +93,8 @@ def test_classify_recall_vs_conversion_respects_threshold_and_window() -> None:
     assert an.classify(False, conv, lo, hi, 9) == "recall"
     assert an.classify(True, far, lo, hi, th) == "correct"
     assert an.classify(False, np.full(n_layers + 1, np.nan), lo, hi, th) == "unknown"
-    assert an.first_layer(conv, th) == hi and an.first_layer(early, th) == -1
-    assert an.first_layer(far, th) is None
+    assert ar.first_layer(conv, th) == hi and ar.first_layer(early, th) == -1
+    assert ar.first_layer(far, th) is None
     assert an.LensConfig().blocks(18) == (9, 17)
     with pytest.raises(ValueError, match="outside"):
         an.LensConfig(window=(4, 18)).blocks(18)
@@ -111,7 +112,7 @@ def test_summary_and_transitions_on_known_items() -> None:
     conversion = _item("fr", False, [900, 800, 700, 3, 500], english=True)
     correct = _item("fr", True, [900, 800, 50, 2, 1])
     english = _item("en", True, [1, 1, 1, 1, 1])
-    s = an.summarise([recall, conversion, correct], threshold=10)
+    s = ar.summarise([recall, conversion, correct], threshold=10)
     f = s["failures"]
     assert (f["recall"], f["conversion"], f["correct"], f["wrong"]) == (1, 1, 1, 2)
     assert f["recall_share"] == f["conversion_share"] == 0.5
@@ -122,11 +123,11 @@ def test_summary_and_transitions_on_known_items() -> None:
     assert s["en_above_target_share"] == [0.0] * 5  # target == English ranks in these items
     pivot = _item("fr", True, [5, 5, 5, 5, 5])
     pivot.tgt_rank = np.array([1.0, 9, 9, 5, 1])
-    assert an.summarise([pivot], 10)["en_above_target_share"] == [0, 1, 1, 0, 0]
+    assert ar.summarise([pivot], 10)["en_above_target_share"] == [0, 1, 1, 0, 0]
     pivot.shared_first_token = True  # the same token for both answers: left out
-    assert an.summarise([pivot], 10)["en_above_target_share"] == []
+    assert ar.summarise([pivot], 10)["en_above_target_share"] == []
     fixed_recall = _item("fr", True, [900, 800, 700, 600, 1])
-    t = an.transitions([recall, conversion, english], [fixed_recall, conversion, english])
+    t = ar.transitions([recall, conversion, english], [fixed_recall, conversion, english])
     assert t["fixed"] == 1 and t["recall_fixed"] == 1 and t["conversion_fixed"] == 0
     assert t["broken"] == 0 and t["from_english"] == 0
 
@@ -138,9 +139,9 @@ def test_sensitivity_recomputes_the_split_from_item_ranks() -> None:
         {"id": "c:fr", "class": "correct", "en_rank": [1] * 4, "target_rank": [1] * 4},
         {"id": "d:en", "class": "recall", "en_rank": [999] * 4, "target_rank": [999] * 4},
     ]
-    rep = {"window": [1, 2], "arms": {"none": {"items": items}}}
-    rows = {r["threshold"]: r for r in an.sensitivity(rep, "none")}
-    assert [rows[t]["conversion_share"] for t in an.SENSITIVITY] == [0.0, 0.5, 0.5, 0.5, 1.0]
+    rep = {"window": [1, 2], "arms": {"unsteered": {"items": items}}}
+    rows = {r["threshold"]: r for r in ar.sensitivity(rep, "unsteered")}
+    assert [rows[t]["conversion_share"] for t in ar.SENSITIVITY] == [0.0, 0.5, 0.5, 0.5, 1.0]
     assert rows[10]["n_wrong"] == 2 and rows[10]["n_distinct"] == 2
 
 
@@ -205,10 +206,10 @@ def test_run_report_and_plots(tiny, tiny_gemma: Path, tmp_path: Path) -> None:
     cfg = an.LensConfig(threshold=50, max_tokens=3, batch_size=3)
     seen: list[str] = []
     results, times = an.run(
-        model, tok, recs, cfg, ("none", "recall", "both", "random"), art,
+        model, tok, recs, cfg, ("unsteered", "recall", "both", "random"), art,
         on_arm=lambda r, t: seen.append(list(r)[-1]),
     )  # fmt: skip
-    assert seen == ["none", "recall", "both", "random"] and set(times) == set(seen)
+    assert seen == ["unsteered", "recall", "both", "random"] and set(times) == set(seen)
     n = len(decoder_layers(model))
     for items in results.values():
         assert [it.id for it in items] == [r["id"] for r in recs]
@@ -217,23 +218,30 @@ def test_run_report_and_plots(tiny, tiny_gemma: Path, tmp_path: Path) -> None:
             assert it.cls in an.CLASSES
             assert (it.lang == "en") <= (it.en_rank == it.tgt_rank).all()  # same answer in en
     # the recall vector is added at block 1: the lens before it is untouched, after it is not
-    a, b = results["none"][1], results["recall"][1]
+    a, b = results["unsteered"][1], results["recall"][1]
     assert np.array_equal(a.en_rank[:2], b.en_rank[:2])
-    pairs = zip(results["none"], results["both"], strict=True)
+    pairs = zip(results["unsteered"], results["both"], strict=True)
     assert any(not np.array_equal(x.en_rank, y.en_rank) for x, y in pairs)
-    rep = an.build_report(results, cfg, n, {"model": "tiny", "n_items": len(recs)})
+    rep = ar.build_report(results, cfg, n, {"model": "tiny", "n_items": len(recs)})
     assert rep["window"] == [n // 2, n - 1] and len(rep["lens_points"]) == n + 1
-    ne = rep["arms"]["none"]["non_english"]
+    ne = rep["arms"]["unsteered"]["non_english"]
     assert ne["n"] == 2 and len(ne["median_rank_en"]) == n + 1
-    assert "vs_none" in rep["arms"]["both"] and "vs_none" not in rep["arms"]["none"]
-    out = an.write_report(json.loads(json.dumps(rep)), tmp_path / "rep")  # JSON-safe
+    assert "vs_unsteered" in rep["arms"]["both"] and "vs_unsteered" not in rep["arms"]["unsteered"]
+    out = ar.write_report(json.loads(json.dumps(rep)), tmp_path / "rep")  # JSON-safe
     md = (out / "report.md").read_text()
     assert "## Failure breakdown" in md and "| both |" in md and "## Findings" in md
-    conv = [r["conversion_share"] for r in an.sensitivity(rep, "none")]
+    conv = [r["conversion_share"] for r in ar.sensitivity(rep, "unsteered")]
     assert all(a is None or a <= b for a, b in zip(conv, conv[1:], strict=False))
     import matplotlib.image as mpimg
 
-    for name in ("lens_none", "lens_recall", "lens_both", "lens_random", "lens_arms", "failures"):
+    for name in (
+        "lens_unsteered",
+        "lens_recall",
+        "lens_both",
+        "lens_random",
+        "lens_arms",
+        "failures",
+    ):
         png = out / f"{name}.png"
         img = mpimg.imread(png)
         assert png.stat().st_size > 5000 and img.shape[0] > 200 and img.std() > 0.05
@@ -262,13 +270,38 @@ def test_cli_analyze(tiny_gemma: Path, tmp_path: Path) -> None:
     art = _artifact(tiny_gemma, tmp_path / "art", 64)
     out = tmp_path / "out"
     args = ["analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--out", str(out)]
-    args += ["--artifact", str(art.path), "--arms", "none,translation", "--sample", "1"]
+    args += ["--artifact", str(art.path), "--arms", "unsteered,translation", "--sample", "1"]
     args += ["--threshold", "100", "--window", "1,3", "--max-tokens", "2"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rep = json.loads((out / "report.json").read_text())
     assert rep["n_items"] == 2 and rep["window"] == [1, 3] and rep["threshold"] == 100
-    assert list(rep["arms"]) == ["none", "translation"]
+    assert list(rep["arms"]) == ["unsteered", "translation"]
     assert (out / "lens_translation.png").stat().st_size > 0
-    bad = CliRunner().invoke(app, [*args[:8], "--arms", "none,nope"])
+    bad = CliRunner().invoke(app, [*args[:8], "--arms", "unsteered,nope"])
     assert bad.exit_code != 0
+
+
+def test_cli_analyze_defaults_to_the_artifact_auto_serves(tiny_gemma: Path, tmp_path: Path) -> None:
+    """No --artifact: the artifact the server would serve for the model from --vectors-dir; none
+    there: a failure naming what is missing, unless only the unsteered arm is asked for."""
+    from steerserve.cli import app
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(1)))
+    vectors = tmp_path / "vectors"
+    base = ["analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--sample", "1"]
+    base += ["--max-tokens", "1", "--vectors-dir", str(vectors)]
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "a")])
+    assert res.exit_code == 1 and "no steering artifact" in res.output, res.output
+    assert "--arms unsteered" in res.output
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b"), "--arms", "unsteered"])
+    assert res.exit_code == 0, res.output
+    assert list(json.loads((tmp_path / "b" / "report.json").read_text())["arms"]) == ["unsteered"]
+    _artifact(tiny_gemma, vectors / "tiny" / "v1", 64)
+    _artifact(tiny_gemma, vectors / "tiny" / "v2", 64, "v2")
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert rep["artifact"] == "tiny/v2"  # the newest version, as the server's default
+    assert list(rep["arms"]) == ["unsteered", "recall", "translation", "both"]

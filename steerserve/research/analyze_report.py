@@ -1,0 +1,413 @@
+"""The diagnosis report: per arm, per language and pooled summaries of the lens and the failure
+split, what each steered arm changes against the unsteered one, computed findings, tables and
+figures (``analyze.py`` runs the forward passes)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from steerserve.research import report as R
+from steerserve.research.analyze import CLASSES, Item, LensConfig
+from steerserve.research.arms import UNSTEERED
+
+#: The recall / conversion split of wrong non-English answers reported for larger models (Lu et
+#: al., 2025), shown next to ours.
+REFERENCE_SPLIT: dict[str, float] = {"recall": 0.78, "conversion": 0.22}
+VS = f"vs_{UNSTEERED}"
+
+
+# --- summaries --------------------------------------------------------------------------------
+
+
+def _nanmedian(rows: list[np.ndarray]) -> list[float | None]:
+    if not rows:
+        return []
+    a = np.stack(rows)
+    with np.errstate(all="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            m = np.nanmedian(a, 0)
+    return [None if math.isnan(x) else float(x) for x in m]
+
+
+def _above(items: Sequence[Item]) -> list[float | None]:
+    """Per lens point, the share of items whose English answer outranks the target answer (the
+    English pivot); items whose two answers share a first token say nothing and are left out."""
+    rows = [(it.en_rank, it.tgt_rank) for it in items]
+    rows = [(e, t) for e, t in rows if not (np.isnan(e).all() or np.isnan(t).all())]
+    if not rows:
+        return []
+    return np.mean([e < t for e, t in rows], 0).tolist()
+
+
+def first_layer(ranks: np.ndarray, threshold: int) -> int | None:
+    """First block whose output ranks the token <= threshold (-1: the embeddings)."""
+    hit = np.nonzero(ranks <= threshold)[0]
+    return int(hit[0]) - 1 if hit.size else None
+
+
+def summarise(items: Sequence[Item], threshold: int) -> dict[str, Any]:
+    """Accuracy, lens medians by layer, first-formation layers and failure split of a group."""
+    n = len(items)
+    counts = {c: sum(it.cls == c for it in items) for c in CLASSES}
+    wrong = counts["recall"] + counts["conversion"]
+    en_first = [first_layer(it.en_rank, threshold) for it in items]
+    en_first_ok = [x for x in en_first if x is not None]
+
+    def share(k: int) -> float | None:
+        return k / wrong if wrong else None
+
+    return {
+        "n": n,
+        "accuracy": sum(it.correct for it in items) / n if n else 0.0,
+        "english_rate": sum(it.english for it in items) / n if n else 0.0,
+        "recall_any": sum(it.recall_any for it in items) / n if n else 0.0,
+        "shared_first_token": sum(it.shared_first_token for it in items) / n if n else 0.0,
+        "median_rank_en": _nanmedian([it.en_rank for it in items]),
+        "median_rank_target": _nanmedian([it.tgt_rank for it in items]),
+        "mean_prob_en": np.mean([it.en_prob for it in items], 0).tolist() if n else [],
+        "mean_prob_target": np.mean([it.tgt_prob for it in items], 0).tolist() if n else [],
+        "en_above_target_share": _above([it for it in items if not it.shared_first_token]),
+        "en_formed_share": len(en_first_ok) / n if n else 0.0,
+        "en_first_layer_median": float(np.median(en_first_ok)) if en_first_ok else None,
+        "failures": {
+            **counts,
+            "wrong": wrong,
+            "recall_share": share(counts["recall"]),
+            "conversion_share": share(counts["conversion"]),
+            "answered_in_english": sum(it.english for it in items if it.cls == "conversion"),
+        },
+    }
+
+
+def transitions(base: Sequence[Item], arm: Sequence[Item]) -> dict[str, int]:
+    """How a steered arm changes each non-English item relative to the unsteered run."""
+    out = {"fixed": 0, "broken": 0, "recall_fixed": 0, "conversion_fixed": 0}
+    out |= {"recall_to_conversion": 0, "to_english": 0, "from_english": 0}
+    for b, a in zip(base, arm, strict=True):
+        if b.lang == "en":
+            continue
+        out["fixed"] += a.correct and not b.correct
+        out["broken"] += b.correct and not a.correct
+        out["recall_fixed"] += b.cls == "recall" and a.correct
+        out["conversion_fixed"] += b.cls == "conversion" and a.correct
+        out["recall_to_conversion"] += b.cls == "recall" and a.cls == "conversion"
+        out["to_english"] += a.english and not b.english
+        out["from_english"] += b.english and not a.english
+    return {k: int(v) for k, v in out.items()}
+
+
+def build_report(
+    results: Mapping[str, Sequence[Item]], cfg: LensConfig, num_layers: int, meta: Mapping
+) -> dict[str, Any]:
+    """``report.json``: per arm, per language and pooled non-English summaries."""
+    lo, hi = cfg.blocks(num_layers)
+    arms: dict[str, Any] = {}
+    for arm, items in results.items():
+        langs = list(dict.fromkeys(it.lang for it in items))
+        a: dict[str, Any] = {
+            "per_language": {
+                g: summarise([it for it in items if it.lang == g], cfg.threshold) for g in langs
+            },
+            "non_english": summarise([it for it in items if it.lang != "en"], cfg.threshold),
+        }
+        if arm != UNSTEERED and UNSTEERED in results:
+            a[VS] = transitions(results[UNSTEERED], items)
+        a["items"] = [
+            {
+                "id": it.id,
+                "answer": it.answer,
+                "class": it.cls,
+                "english": it.english,
+                "lang": it.lang,
+                "shared_first_token": it.shared_first_token,
+                "en_rank": [None if math.isnan(x) else int(x) for x in it.en_rank],
+                "target_rank": [None if math.isnan(x) else int(x) for x in it.tgt_rank],
+            }
+            for it in items
+        ]
+        arms[arm] = a
+    return {
+        **meta,
+        "num_layers": num_layers,
+        "lens_points": ["emb"] + [str(i) for i in range(num_layers)],
+        "threshold": cfg.threshold,
+        "window": [lo, hi],
+        "max_tokens": cfg.max_tokens,
+        "reference_split": REFERENCE_SPLIT,
+        "arms": arms,
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def _rk(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def _first_below(ranks: Sequence[float | None], threshold: float) -> int | None:
+    """First block whose median rank is <= threshold (-1: embeddings)."""
+    for i, r in enumerate(ranks):
+        if r is not None and r <= threshold:
+            return i - 1
+    return None
+
+
+SENSITIVITY: tuple[int, ...] = (1, 3, 10, 30, 100)
+
+
+def sensitivity(rep: Mapping[str, Any], arm: str) -> list[dict[str, Any]]:
+    """Conversion share of wrong non-English answers at other thresholds, from the per-item
+    ranks in the report; also over items whose English and target first tokens differ."""
+    lo, hi = rep["window"]
+    wrong = []
+    for it in rep["arms"][arm]["items"]:
+        lang = it.get("lang", it["id"].rsplit(":", 1)[-1])
+        if lang == "en" or it["class"] in ("correct", "unknown"):
+            continue
+        w = [r for r in it["en_rank"][lo + 1 : hi + 2] if r is not None]
+        shared = it.get("shared_first_token", it["en_rank"] == it["target_rank"])
+        wrong.append((min(w) if w else math.inf, shared))
+    rows = []
+    for th in SENSITIVITY:
+        conv = [r <= th for r, _ in wrong]
+        dist = [r <= th for r, sh in wrong if not sh]
+        rows.append(
+            {
+                "threshold": th,
+                "n_wrong": len(conv),
+                "conversion_share": sum(conv) / len(conv) if conv else None,
+                "n_distinct": len(dist),
+                "conversion_share_distinct": sum(dist) / len(dist) if dist else None,
+            }
+        )
+    return rows
+
+
+def findings(rep: Mapping[str, Any]) -> list[str]:
+    """The report's headline numbers as sentences, computed (not written by hand)."""
+    arms, th = rep["arms"], rep["threshold"]
+    base = _base(arms)
+    ne = arms[base]["non_english"]
+    f = ne["failures"]
+    out = []
+    e1, t1 = _first_below(ne["median_rank_en"], th), _first_below(ne["median_rank_target"], th)
+    e_top, t_top = _first_below(ne["median_rank_en"], 1), _first_below(ne["median_rank_target"], 1)
+    ab = ne["en_above_target_share"]
+    last = len(ne["median_rank_en"]) - 1
+    formed = [i for i, r in enumerate(ne["median_rank_en"][:last]) if r is not None and r <= 100]
+    span = [ab[i] for i in formed if ab and ab[i] is not None]
+
+    def blk(b: int | None) -> str:
+        return "never" if b is None else f"at block {b}"
+
+    out.append(
+        f"- Arm `{base}`, {ne['n']} non-English items: the median English answer reaches rank "
+        f"<= {th} {blk(e1)} (top-1: {blk(e_top)}); the median target answer {blk(t1)} (top-1: "
+        f"{blk(t_top)})."
+    )
+    if span:
+        out.append(
+            f"- Where the median English answer is within rank 100 before the last block (blocks "
+            f"{formed[0] - 1}..{formed[-1] - 1}), it outranks the target answer in {R.pct(min(span))}–"
+            f"{R.pct(max(span))} % of items (first tokens differing); at the last block in "
+            f"{R.pct(ab[-1])} %. (Before the answer forms, English tokens outrank others by "
+            "frequency alone, so early-layer shares say little.)"
+        )
+    if f["wrong"]:
+        out.append(
+            f"- {f['wrong']} wrong non-English answers: {R.pct(f['recall_share'])} % recall "
+            f"failures, {R.pct(f['conversion_share'])} % conversion failures (reference: "
+            f"{R.pct(REFERENCE_SPLIT['recall'])} % / {R.pct(REFERENCE_SPLIT['conversion'])} %); "
+            f"{f['answered_in_english']} of the conversion failures were answered in English; "
+            f"{f['unknown']} unclassifiable."
+        )
+    for a, r in arms.items():
+        if a == base:
+            continue
+        s, t = r["non_english"], r.get(VS, {})
+        out.append(
+            f"- `{a}`: accuracy {R.pct(ne['accuracy'])} → {R.pct(s['accuracy'])} %, answered in "
+            f"English {R.pct(ne['english_rate'])} → {R.pct(s['english_rate'])} %, recall-any "
+            f"{R.pct(ne['recall_any'])} → {R.pct(s['recall_any'])} %; recall failures "
+            f"{f['recall']} → {s['failures']['recall']}, conversion failures {f['conversion']} → "
+            f"{s['failures']['conversion']}; English answer first at rank <= {th} (median block) "
+            f"{ne['en_first_layer_median']} → {s['en_first_layer_median']}"
+            + (f"; fixed {t['fixed']}, broken {t['broken']}." if t else ".")
+        )
+    return out
+
+
+def report_markdown(rep: Mapping[str, Any]) -> str:
+    """Tables: rank by layer (pooled and per language), failure split, what steering moves."""
+    arms = rep["arms"]
+    L = [f"# Diagnosis: logit lens and recall vs conversion failures ({rep.get('model', '')})", ""]
+    for k in ("dataset", "n_items", "sample_per_lang", "artifact", "interventions", "timings_s"):
+        if k in rep:
+            L.append(f"- **{k}**: `{json.dumps(rep[k], ensure_ascii=False)}`")
+    L += _how_to_read(rep) + ["", "## Findings (computed)", "", *findings(rep)]
+    L += _lens_table(rep) + _per_language(rep) + _failures(rep) + _steering(rep)
+    L += ["", "## Figures", ""]
+    L += [f"![lens {a}](lens_{a}.png)" for a in arms]
+    L += ["![lens by arm](lens_arms.png)", "![failures](failures.png)", ""]
+    return "\n".join(L)
+
+
+def _heading(title: str) -> list[str]:
+    return ["", f"## {title}", ""]
+
+
+def _how_to_read(rep: Mapping[str, Any]) -> list[str]:
+    lo, hi = rep["window"]
+    return [
+        "",
+        "**How to read.** Logit lens at the last prompt token: the residual stream after the "
+        "embeddings (`emb`) and after each block `L` (= `hidden_states[L+1]`) is projected through "
+        "the final norm and unembedding. *Rank* is the 1-based rank of the first token the model "
+        "would emit for the answer (separator included; best-ranked alias) among "
+        f"{rep.get('vocab_size', 'all')} tokens. A wrong non-English greedy answer (first line of "
+        f"up to {rep['max_tokens']} tokens) is a **conversion failure** if the English answer "
+        f"reached rank <= {rep['threshold']} in blocks {lo}..{hi}, else a **recall failure** "
+        "(*unknown*: no informative English first token). Arms add the artifact's interventions "
+        "with transformers hooks at their layer, scale and positions.",
+    ]
+
+
+def _lens_table(rep: Mapping[str, Any]) -> list[str]:
+    arms = rep["arms"]
+    L = [
+        *_heading(
+            "Median rank by layer, non-English items pooled (English answer / target answer)"
+        ),
+        "*en > target*: share of items (first tokens differ) whose English answer outranks the "
+        "target answer at that point.",
+        "",
+        "| block | " + " | ".join(f"{a}: en | {a}: target | {a}: en > target" for a in arms) + " |",
+        "|---|" + "---|---|---|" * len(arms),
+    ]
+    for i, p in enumerate(rep["lens_points"]):
+        cells = []
+        for a in arms:
+            ne = arms[a]["non_english"]
+            ab = ne["en_above_target_share"]
+            cells += [_rk(ne["median_rank_en"][i]), _rk(ne["median_rank_target"][i])]
+            cells.append(f"{R.pct(ab[i])} %" if ab else "–")
+        L.append(f"| {p} | " + " | ".join(cells) + " |")
+    return L
+
+
+def _per_language(rep: Mapping[str, Any]) -> list[str]:
+    lo, hi = rep["window"]
+    base = _base(rep["arms"])
+    shown = sorted({0, lo, (lo + hi) // 2, hi - 2, hi - 1, hi} & set(range(rep["num_layers"])))
+    L = [
+        *_heading(f"Per language, arm `{base}`: median rank English / target at selected blocks"),
+        "| lang | n | "
+        + " | ".join(f"block {b}" for b in shown)
+        + f" | first block en rank <= {rep['threshold']} (median) | en formed | same first token |",
+        "|---|---|" + "---|" * len(shown) + "---|---|---|",
+    ]
+    for g, s in rep["arms"][base]["per_language"].items():
+        cells = [
+            f"{_rk(s['median_rank_en'][b + 1])} / {_rk(s['median_rank_target'][b + 1])}"
+            for b in shown
+        ]
+        fl = s["en_first_layer_median"]
+        L.append(
+            f"| {g} | {s['n']} | " + " | ".join(cells) + f" | {'–' if fl is None else fl} | "
+            f"{R.pct(s['en_formed_share'])} % | {R.pct(s['shared_first_token'])} % |"
+        )
+    return L
+
+
+def _failures(rep: Mapping[str, Any]) -> list[str]:
+    lo, hi = rep["window"]
+    base = _base(rep["arms"])
+    per = rep["arms"][base]["per_language"]
+    ref = f"{R.pct(REFERENCE_SPLIT['recall'])} % recall / {R.pct(REFERENCE_SPLIT['conversion'])} %"
+    L = [
+        "",
+        f"## Failure breakdown, arm `{base}` (shares of wrong answers; reference: {ref} "
+        "conversion)",
+        "",
+        "| lang | n | accuracy % | wrong | recall failures | conversion failures | unknown "
+        "| recall % | conversion % | conversion failures answered in English |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [(g, s) for g, s in per.items() if g != "en"]
+    rows.append(("**non-English**", rep["arms"][base]["non_english"]))
+    for g, s in rows:
+        f = s["failures"]
+        L.append(
+            f"| {g} | {s['n']} | {R.pct(s['accuracy'])} | {f['wrong']} | {f['recall']} | "
+            f"{f['conversion']} | {f['unknown']} | {R.pct(f['recall_share'])} | "
+            f"{R.pct(f['conversion_share'])} | {f['answered_in_english']} |"
+        )
+    L += [
+        "",
+        f"Sensitivity (arm `{base}`): conversion share of the wrong non-English answers if the "
+        f"threshold were another rank (window {lo}..{hi}); *distinct*: only items whose English "
+        "and target answers start with different tokens.",
+        "",
+        "| threshold | wrong | conversion % | distinct | conversion % (distinct) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in sensitivity(rep, base):
+        L.append(
+            f"| {row['threshold']} | {row['n_wrong']} | {R.pct(row['conversion_share'])} | "
+            f"{row['n_distinct']} | {R.pct(row['conversion_share_distinct'])} |"
+        )
+    return L
+
+
+def _steering(rep: Mapping[str, Any]) -> list[str]:
+    arms = rep["arms"]
+    L = [
+        *_heading("With steering: what each arm moves (non-English items)"),
+        "| arm | accuracy % | answered in English % | recall-any % | recall failures "
+        "| conversion failures | conversion share % | en formed % | median first block "
+        "| fixed | broken | recall fixed | conversion fixed | recall→conversion | to English "
+        "| from English |",
+        "|---|" + "---|" * 15,
+    ]
+    for a, r in arms.items():
+        s, f, t = r["non_english"], r["non_english"]["failures"], r.get(VS, {})
+        tv = [str(t.get(k, "–")) for k in (
+            "fixed", "broken", "recall_fixed", "conversion_fixed", "recall_to_conversion",
+            "to_english", "from_english")]  # fmt: skip
+        fl = s["en_first_layer_median"]
+        L.append(
+            f"| {a} | {R.pct(s['accuracy'])} | {R.pct(s['english_rate'])} | "
+            f"{R.pct(s['recall_any'])} | {f['recall']} | {f['conversion']} | "
+            f"{R.pct(f['conversion_share'])} | {R.pct(s['en_formed_share'])} | "
+            f"{'–' if fl is None else fl} | " + " | ".join(tv) + " |"
+        )
+    if "en" in arms[_base(arms)]["per_language"]:
+        L += ["", "English items (the vectors must not hurt English): accuracy % by arm: "]
+        L[-1] += ", ".join(
+            f"{a} {R.pct(r['per_language']['en']['accuracy'])}"
+            for a, r in arms.items()
+            if "en" in r["per_language"]
+        )
+    return L
+
+
+def _base(arms: Mapping[str, Any]) -> str:
+    """The arm others are compared with: the unsteered one, else the first."""
+    return UNSTEERED if UNSTEERED in arms else next(iter(arms))
+
+
+def write_report(rep: Mapping[str, Any], out_dir: Any) -> Path:
+    """``report.json``, ``report.md`` and the PNG figures into ``out_dir``."""
+    from steerserve.research.analyze_plots import figures
+
+    return R.write(out_dir, rep, report_markdown(rep), figures(rep), indent=1)

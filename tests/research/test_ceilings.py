@@ -1,0 +1,92 @@
+"""The ceilings runner's mechanics on a tiny random Gemma 3: forced log P, greedy, and edits
+against plain full forwards and the transformers steering reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from steerserve.engine.spec import SteeringEntry
+from steerserve.research.ceilings import Edit, Runner, decided, encode, summarise
+from steerserve.research.reference import greedy, phases, steering_hooks
+from steerserve.research.scoring import score
+
+RECORDS = [
+    {"id": "a", "lang": "en", "prompt": "Country: France. Capital:", "answers": ["Paris", "Pa"]},
+    {"id": "b", "lang": "fr", "prompt": "Pays : Japon. Capitale :", "answers": ["Tokyo"]},
+    {"id": "c", "lang": "ja", "prompt": "国：フランス。首都：", "answers": ["パリ"]},
+    {"id": "d", "lang": "fr", "prompt": "Pays : Italie. Capitale :", "answers": ["Rome"]},
+]
+for r in RECORDS:
+    r["answers_en"] = ["Paris"]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_gemma: Path) -> Runner:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma, dtype=torch.float32).eval()
+    return Runner(model, AutoTokenizer.from_pretrained(tiny_gemma), batch_size=3)
+
+
+def _forced_logp(runner: Runner, rec: dict, entries=(), vectors=None) -> float:
+    """Max over aliases of the summed log P of the alias after the prompt, one full forward."""
+    ids, aliases = encode(runner.tok, rec)
+    best = -float("inf")
+    for a in aliases:
+        seq = ids + a
+        ph = phases(len(seq), len(ids))
+        masks = torch.stack([ph == k for k in range(3)]).unsqueeze(1)
+        with torch.no_grad(), steering_hooks(runner.model, entries, vectors or {}, masks):
+            lp = runner.model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        best = max(best, sum(float(lp[len(ids) - 1 + k, t]) for k, t in enumerate(a)))
+    return best
+
+
+def test_forced_logp_and_greedy_match_full_forwards(runner: Runner) -> None:
+    (res,), _ = runner.run(RECORDS, progress=False)
+    for rec, r in zip(RECORDS, res, strict=True):
+        assert r["logp"] == pytest.approx(_forced_logp(runner, rec), abs=1e-4)
+        ids, _ = encode(runner.tok, rec)
+        toks, _ = greedy(runner.model, ids, 8)
+        ref = score(runner.tok.decode(toks, skip_special_tokens=True), rec["answers"], ["Paris"])
+        assert (r["correct"], r["english"]) == (ref.correct, ref.english)
+
+
+def test_replacing_a_state_by_itself_changes_nothing(runner: Runner) -> None:
+    (base,), states = runner.run(RECORDS, capture=True, progress=False)
+    assert states is not None and states.shape[:2] == (len(RECORDS), runner.num_layers)
+    edits = [Edit(f"self@{ly}", ly, "replace", states[:, ly]) for ly in range(runner.num_layers)]
+    edits.append(Edit("interp", 1, "interp", states[:, 1], alpha=0.5))
+    edits.append(Edit("zero", 2, "add", torch.zeros(states.shape[-1]), gen=True))
+    res, _ = runner.run(RECORDS, edits, progress=False)
+    for per_edit in res:
+        for a, b in zip(per_edit, base, strict=True):
+            assert a["text"] == b["text"]
+            assert a["logp"] == pytest.approx(b["logp"], abs=1e-4)
+
+
+def test_add_with_gen_equals_reference_steering(runner: Runner) -> None:
+    v = torch.randn(runner.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    (res,), _ = runner.run(RECORDS, [Edit("add", 1, "add", v, alpha=0.7, gen=True)], False, False)
+    entry = SteeringEntry("v", 1, 0.7, "last_prompt_and_generated")
+    for rec, r in zip(RECORDS, res, strict=True):
+        assert r["logp"] == pytest.approx(_forced_logp(runner, rec, [entry], {"v": v}), abs=1e-3)
+        assert r["logp"] != pytest.approx(_forced_logp(runner, rec), abs=1e-3)
+
+
+def test_decided_and_summary() -> None:
+    assert not decided(" Par", ["Paris"], [])
+    assert decided(" Paris", ["Paris"], [])
+    assert decided(" Rome", ["Paris"], ["Paris"])
+    assert not decided(" Pa", ["Parigi"], ["Paris"])
+    assert decided(" Pa\n", ["Parigi"], [])
+    recs = [{"lang": lang} for lang in ("en", "fr", "fr", "ja")]
+    res = [{k: x for k in ("correct", "logp", "logp_tok", "english", "recall_any")}
+           for x in (1.0, 0.0, 1.0, 1.0)]  # fmt: skip
+    s = summarise(recs, res, res)
+    assert s["correct"]["non_en"] == pytest.approx(0.75)  # mean of fr 0.5 and ja 1.0
+    assert s["logp"]["diff_non_en"]["diff"] == 0.0

@@ -1,0 +1,67 @@
+"""Scoring on hand-made cases: normalisation, first line, english_rate, intervals, datasets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from steerserve.research import scoring as ev
+
+
+def test_normalise_and_match() -> None:
+    assert ev.normalise("  París.") == "parís"
+    assert ev.normalise("ＰＡＲＩＳ") == "paris"  # NFKC full-width
+    assert ev.normalise("Buenos-Aires!") == "buenosaires"
+    assert ev.matches("Paris, France", ["Paris"])
+    assert not ev.matches("Pa", ["Paris"])  # a prefix of the answer is not the answer
+    assert not ev.matches("", ["Paris"])
+    assert not ev.matches("Paris", [""])  # an empty gold answer matches nothing
+    assert ev.matches("東京です", ["東京"])
+
+
+def test_first_line() -> None:
+    assert ev.first_line(" Paris\nCountry: Spain. Capital: Madrid") == "Paris"
+    assert ev.first_line("\nParis") == ""  # an empty first line is a wrong answer
+    assert ev.first_line("パリ") == "パリ"
+
+
+def test_score_english_rate() -> None:
+    s = ev.score(" Paris\n", ["París"], ["Paris"])
+    assert (s.correct, s.english, s.recall_any) == (False, True, True)
+    s = ev.score(" París", ["París"], ["Paris"])
+    assert (s.correct, s.english) == (True, False)  # correct never also counts as English
+    s = ev.score(" Rome", ["París"], ["Paris"])
+    assert (s.correct, s.english, s.recall_any) == (False, False, False)
+    s = ev.score(" Madrid", ["Madrid"], ["Madrid"])  # same name in both: correct, not English
+    assert (s.correct, s.english) == (True, False)
+
+
+def test_wilson() -> None:
+    lo, hi = ev.wilson(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+    lo, hi = ev.wilson(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-3)
+    assert ev.wilson(10, 10)[1] == 1.0
+    assert ev.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_paired_bootstrap_detects_a_real_difference() -> None:
+    a = {"fr": [1.0] * 30 + [0.0] * 10, "de": [1.0] * 25 + [0.0] * 15}
+    same = ev.paired_bootstrap(a, a)
+    assert same["diff"] == 0 and same["ci95"] == [0.0, 0.0]
+    b = {"fr": [0.0] * 10 + a["fr"][10:], "de": [0.0] * 10 + a["de"][10:]}
+    d = ev.paired_bootstrap(a, b)
+    assert d["diff"] == pytest.approx(0.25) and d["ci95"][0] > 0 and d["p_le_0"] == 0.0
+    lo, hi = ev.bootstrap_mean(a)
+    assert lo < (30 / 40 + 25 / 40) / 2 < hi
+
+
+def test_read_dataset(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"id": "a", "lang": "fr", "prompt": "x", "answers": ["y"]}) + "\n\n")
+    assert ev.read_dataset(p)[0]["answers_en"] == []
+    p.write_text(json.dumps({"id": "a", "lang": "fr", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="missing"):
+        ev.read_dataset(p)
