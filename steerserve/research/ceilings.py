@@ -1,0 +1,858 @@
+"""Headroom and oracle ceilings for residual-stream steering, before any vector sweep.
+
+Why: a vector distilled from a prompt condition (demonstrations, asking in English, an explicit
+conversion) can at most recover that condition's gain, and an edit of the last prompt token's
+state can at most do what patching in the *right* state does. Measuring both says whether a
+language-independent vector has anything to win on a model, with less noise than accuracy:
+every condition is scored by greedy accuracy (the project's rule, ``evaluate.score``) *and* by the
+teacher-forced log-probability of the gold query-language answer (max over aliases).
+
+Model-agnostic: blocks come from the model's depth; a record is a completion ``prompt`` or chat
+``messages`` (rendered by the tokenizer's chat template, answer right after the generation
+prompt). Edits act on the output of decoder block L (= transformers ``hidden_states[L + 1]``), the
+engine's convention. The prompt minus its last token is run once per batch and its KV cache reused
+by every edit (exact: an edit at the last prompt token cannot change earlier tokens' keys and
+values), so a layer sweep costs a few one-token forwards per item, not a full forward.
+
+One module on purpose (over the usual size): the experiments share the runner and the report.
+Run ``python -m steerserve.research.ceilings --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from steerserve.research.analyze import answer_sep
+from steerserve.research.extract import last_token_means, mixed_prompt
+from steerserve.research.facts import (
+    ANSWER_SEP,
+    RELATIONS,
+    Fact,
+    eval_records,
+    load_facts,
+    prompt,
+    query,
+    shots_for,
+)
+from steerserve.research.hf import decoder_layers, left_padded
+from steerserve.research.report import pct, pyplot, write
+from steerserve.research.scoring import bootstrap_mean, normalise, paired_bootstrap, score
+
+log = logging.getLogger("steerserve.ceilings")
+
+# "English" and the language's own name, written in the query language (conversion prompts).
+ENGLISH_IN: dict[str, str] = {
+    "en": "English", "zh": "英语", "ja": "英語", "ko": "영어", "fr": "Anglais", "es": "Inglés",
+    "de": "Englisch", "it": "Inglese", "ru": "Английский", "pt": "Inglês", "nl": "Engels",
+    "ar": "الإنجليزية",
+}  # fmt: skip
+SELF_NAME: dict[str, str] = {
+    "en": "English", "zh": "中文", "ja": "日本語", "ko": "한국어", "fr": "Français",
+    "es": "Español", "de": "Deutsch", "it": "Italiano", "ru": "Русский", "pt": "Português",
+    "nl": "Nederlands", "ar": "العربية",
+}  # fmt: skip
+MAX_NEW = 8  # the project's evaluation budget (evaluate.generate: 8 tokens, stop at "\n")
+
+
+# --- prompt conditions (completion form) -------------------------------------------------------
+
+
+def _label(lang: str, name: str, end: bool) -> str:
+    """``name`` as a field label in the fact set's style: "英語：", "Anglais : ", "Inglés: "."""
+    if lang in ("zh", "ja"):
+        return name + "："
+    colon = " :" if lang == "fr" else ":"
+    return name + colon + ("" if end else " ")
+
+
+def conversion_prompt(fact: Fact, shots: int = 3, seed: int = 0) -> str:
+    """Explicit conversion, labels in the query language, the eval form's shots as demos.
+
+    ja: ``英語：Tehran → 日本語：テヘラン\\n…英語：Amsterdam → 日本語：``; the model only has to
+    write the English answer (given) in the query language: the conversion ceiling.
+    """
+
+    def line(en: str, lang: str) -> str:
+        return (
+            f"{_label(lang, ENGLISH_IN[lang], False)}{en} → {_label(lang, SELF_NAME[lang], True)}"
+        )
+
+    demos = [
+        f"{line(s.answers_en[0], s.lang)}{ANSWER_SEP[s.lang]}{s.answers[0]}\n"
+        for s in shots_for(fact, shots, seed)
+    ]
+    return "".join(demos) + line(fact.answers_en[0], fact.lang)
+
+
+CONDITIONS: dict[str, Callable[[Fact, int], str]] = {
+    "eval": lambda f, s: prompt(f, 3, s),  # (i) the evaluation form: 3-shot, query language
+    "zero": lambda f, s: query(f),  # (ii) zero-shot
+    "native5": lambda f, s: prompt(f, 5, s),  # (iii) 5 demonstrations in the query language
+    "mixed5": lambda f, s: mixed_prompt(f, 5, s),  # (iv) 5 English demos, query-language question
+    "convert": conversion_prompt,  # (vi) "English: <answer_en> → <language>:", 3-shot
+}  # (v), the same fact asked in English, is the "eval" result of the English twin
+
+
+def fact_index(split: str) -> dict[str, Fact]:
+    """``"<fact_id>:<lang>"`` -> Fact, the ids ``eval_records`` uses."""
+    return {f"{f.fact_id}:{f.lang}": f for f in load_facts(split)}
+
+
+def condition_records(items: Sequence[dict], facts: Mapping[str, Fact], cond: str, seed: int = 0):
+    """``items`` (eval_records) rewritten to condition ``cond``; answers unchanged."""
+    return [{**r, "prompt": CONDITIONS[cond](facts[r["id"]], seed)} for r in items]
+
+
+# --- tokens ------------------------------------------------------------------------------------
+
+
+def render(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[str, bool]:
+    """The text the model reads and whether the tokenizer must add special tokens (a rendered
+    chat template already holds BOS)."""
+    if "messages" in rec:
+        text = tokenizer.apply_chat_template(
+            rec["messages"], tokenize=False, add_generation_prompt=True
+        )
+        return text, False
+    return rec["prompt"], True
+
+
+def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
+    """Prompt ids and each distinct alias's ids as the model would emit them after the prompt
+    (tokenised in context so the separator merges as in generation)."""
+    text, special = render(tokenizer, rec)
+    ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+    sep = "" if "messages" in rec else answer_sep(rec)
+    out: list[list[int]] = []
+    for a in rec["answers"]:
+        full = tokenizer(text + sep + a, add_special_tokens=special)["input_ids"]
+        if full[: len(ids)] == ids and len(full) > len(ids):
+            a_ids = full[len(ids) :]
+        else:  # merged across the boundary: the continuation alone
+            a_ids = tokenizer(sep + a, add_special_tokens=False)["input_ids"]
+        if a_ids and a_ids not in out:
+            out.append(a_ids)
+    return ids, out
+
+
+def decided(text: str, answers: Sequence[str], answers_en: Sequence[str]) -> bool:
+    """True once more greedy tokens cannot change ``score(text, ...)``: a newline ended the first
+    line, or the normalised answer so far matches, or can no longer match, every alias."""
+    t = text.lstrip(" \t")
+    if "\n" in t:
+        return True
+    p = normalise(t)
+    for group in (answers, answers_en):
+        gold = [a for a in map(normalise, group) if a]
+        if any(p.startswith(a) for a in gold):
+            return True
+        if any(a.startswith(p) for a in gold):
+            return False
+    return True
+
+
+# --- edits and hooks ---------------------------------------------------------------------------
+
+
+@dataclass
+class Edit:
+    """An edit at the output of block ``layer``: at the last prompt token ``replace`` (h <- v),
+    ``add`` (h <- h + alpha v) or ``interp`` (h <- (1 - alpha) h + alpha v); with ``gen`` also
+    h <- h + alpha v at every later token (the engine's ``last_prompt_and_generated``).
+    ``vec`` is ``[H]`` (one vector) or ``[N, H]`` (row i for item i of the run)."""
+
+    name: str
+    layer: int
+    kind: str
+    vec: torch.Tensor
+    alpha: float = 1.0
+    gen: bool = False
+
+    def _v(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.vec if self.vec.dim() == 1 else self.vec[rows]
+
+    def last(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        v = self._v(rows).to(h.dtype)
+        if self.kind == "replace":
+            return v.expand_as(h).clone()
+        if self.kind == "add":
+            return h + self.alpha * v
+        if self.kind == "interp":
+            return (1 - self.alpha) * h + self.alpha * v
+        raise ValueError(f"unknown edit kind {self.kind!r}")
+
+    def later(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if not self.gen:
+            return h
+        v = self._v(rows).to(h.dtype)
+        return h + self.alpha * (v.view(1, 1, -1) if v.dim() == 1 else v.unsqueeze(1))
+
+
+class Hooks:
+    """One forward hook per decoder block, driven by mutable fields (registered once per run).
+
+    ``phase`` "last": the input is the last prompt token (one column), edited by ``edit.last``
+    and captured into ``capture`` if set; "later": answer/generated tokens, ``edit.later``.
+    ``rows`` maps the current batch rows to item indices (for per-item vectors)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = decoder_layers(model)
+        self.edit: Edit | None = None
+        self.phase = "last"
+        self.rows = torch.zeros(0, dtype=torch.long)
+        self.capture: list[torch.Tensor | None] | None = None
+        self._handles: list[Any] = []
+
+    def _hook(self, i: int) -> Callable[..., Any]:
+        def f(module: Any, args: Any, output: Any) -> Any:  # noqa: ARG001
+            h = output[0] if isinstance(output, tuple) else output
+            e = self.edit
+            if e is not None and e.layer == i:
+                if self.phase == "last":
+                    h = h.clone()
+                    h[:, -1] = e.last(h[:, -1], self.rows)
+                else:
+                    h = e.later(h, self.rows)
+            if self.capture is not None and self.phase == "last":
+                self.capture[i] = h[:, -1].detach().float().clone()
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+
+        return f
+
+    @contextmanager
+    def active(self) -> Iterator[Hooks]:
+        self._handles = [
+            ly.register_forward_hook(self._hook(i)) for i, ly in enumerate(self.layers)
+        ]
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+
+
+# --- the runner --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Batch:
+    rows: torch.Tensor  # item indices
+    ids: torch.Tensor  # [B, W] left-padded
+    mask: torch.Tensor
+    pos: torch.Tensor
+    cache: Any  # KV of columns [:-1]
+
+
+class Runner:
+    """Scores records under edits: per item ``correct``/``english``/``recall_any`` (greedy, first
+    line, stopped once decided), ``logp`` (sum over the gold answer's tokens, max over aliases)
+    and ``logp_tok`` (per-token mean, max over aliases), and the answer ``text``."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16) -> None:
+        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+        self.dev = next(model.parameters()).device
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.hooks = Hooks(model)
+        self.num_layers = len(self.hooks.layers)
+
+    @torch.no_grad()
+    def run(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        edits: Sequence[Edit | None] = (None,),
+        capture: bool = False,
+        progress: bool = True,
+    ) -> tuple[list[list[dict]], torch.Tensor | None]:
+        """Results ``[edit][item]``; with ``capture``, the unedited last-token output of every
+        block ``[N, L, H]`` (float32), taken in the first edit's pass (pass ``None`` first)."""
+        enc = [encode(self.tok, r) for r in records]
+        order = sorted(range(len(enc)), key=lambda i: (len(enc[i][0]), i))
+        out: list[list[dict | None]] = [[None] * len(records) for _ in edits]
+        states = None
+        if capture:
+            h = self.model.config.get_text_config().hidden_size
+            states = torch.zeros(len(records), self.num_layers, h)
+        t0 = time.perf_counter()
+        with self.hooks.active():
+            for n, b0 in enumerate(range(0, len(order), self.batch_size)):
+                batch = self._prefix(
+                    [order[i] for i in range(b0, min(b0 + self.batch_size, len(order)))], enc
+                )
+                for k, e in enumerate(edits):
+                    cap = capture and k == 0
+                    res = self._pass(batch, e, enc, records, cap)
+                    if cap:
+                        assert states is not None and self.hooks.capture is not None
+                        states[batch.rows] = torch.stack(self.hooks.capture, 1)  # type: ignore[arg-type]
+                        self.hooks.capture = None
+                    for r, i in enumerate(batch.rows.tolist()):
+                        out[k][i] = res[r]
+                if progress and n % 10 == 0:
+                    done = min(b0 + self.batch_size, len(order))
+                    log.info("%d/%d items x %d edits, %.0f s", done, len(order), len(edits),
+                             time.perf_counter() - t0)  # fmt: skip
+        return out, states  # type: ignore[return-value]
+
+    def _prefix(self, idx: list[int], enc: Sequence[tuple[list[int], Any]]) -> _Batch:
+        """Left-pad the batch and run every column but the last (the KV every edit reuses)."""
+        b = left_padded([enc[i][0] for i in idx], self.pad)
+        self.hooks.edit, self.hooks.phase = None, "prefix"
+        out = self.model(
+            input_ids=b.ids[:, :-1].to(self.dev),
+            attention_mask=b.mask[:, :-1].to(self.dev),
+            position_ids=b.positions[:, :-1].to(self.dev),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return _Batch(torch.tensor(idx), b.ids, b.mask, b.positions, out.past_key_values)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
+        return self.model(
+            input_ids=ids.to(self.dev),
+            attention_mask=mask.to(self.dev),
+            position_ids=pos.to(self.dev),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits.float()
+
+    def _pass(self, b: _Batch, edit: Edit | None, enc: Sequence, records: Sequence, cap: bool):
+        hk = self.hooks
+        hk.edit, hk.phase, hk.rows = edit, "last", b.rows
+        hk.capture = [None] * self.num_layers if cap else None
+        cache = copy.deepcopy(b.cache)
+        lp0 = torch.log_softmax(
+            self._forward(b.ids[:, -1:], b.mask, b.pos[:, -1:], cache)[:, -1], -1
+        )
+        hk.phase = "later"
+        recs = [records[i] for i in b.rows.tolist()]
+        logp, paths = self._teacher_forced(b, cache, lp0, [enc[i][1] for i in b.rows.tolist()])
+        texts = self._greedy(b, cache, lp0, recs, paths)
+        hk.edit = None
+        res = []
+        for r, rec in enumerate(recs):
+            s = score(texts[r], rec["answers"], rec.get("answers_en", ()))
+            res.append({"correct": s.correct, "english": s.english, "recall_any": s.recall_any,
+                        "logp": logp[r][0], "logp_tok": logp[r][1], "text": texts[r]})  # fmt: skip
+        return res
+
+    def _teacher_forced(self, b: _Batch, cache: Any, lp0: torch.Tensor, aliases: list):
+        """Per row (max over aliases) the summed and the mean log P of the answer's tokens, and
+        the greedy prefixes the forced pass reveals (greedy follows an alias while its argmax
+        is the alias's next token; the first mismatching argmax is greedy's next token)."""
+        rows = [r for r, al in enumerate(aliases) for _ in al]
+        seqs = [a for al in aliases for a in al]
+        total = [float(lp0[r, s[0]]) for r, s in zip(rows, seqs, strict=True)]
+        g0 = lp0.argmax(-1).tolist()
+        paths: list[list[list[int]]] = [[[g]] for g in g0]
+        argmax: dict[int, list[int]] = {}
+        longer = [j for j, s in enumerate(seqs) if len(s) > 1 and s[0] == g0[rows[j]]]
+        longer += [j for j, s in enumerate(seqs) if len(s) > 1 and s[0] != g0[rows[j]]]
+        if longer:
+            sel = torch.tensor([rows[j] for j in longer])
+            c = copy.deepcopy(cache)
+            c.batch_select_indices(sel.to(self.dev))
+            t = max(len(seqs[j]) for j in longer) - 1
+            ids = torch.full((len(longer), t), self.pad, dtype=torch.long)
+            m = torch.zeros((len(longer), t), dtype=torch.long)
+            for r, j in enumerate(longer):
+                ids[r, : len(seqs[j]) - 1] = torch.tensor(seqs[j][:-1])
+                m[r, : len(seqs[j]) - 1] = 1
+            mask = torch.cat([b.mask[sel], m], 1)
+            pos = b.pos[sel, -1:] + 1 + torch.arange(t)
+            self.hooks.rows = b.rows[sel]
+            lp = torch.log_softmax(self._forward(ids, mask, pos, c), -1).cpu()
+            for r, j in enumerate(longer):
+                tgt = torch.tensor(seqs[j][1:])
+                total[j] += float(lp[r, torch.arange(len(tgt)), tgt].sum())
+                argmax[j] = lp[r, : len(tgt)].argmax(-1).tolist()
+        for j, s in enumerate(seqs):
+            if s[0] != g0[rows[j]]:
+                continue
+            path = [s[0]]
+            for k, g in enumerate(argmax.get(j, [])):
+                path.append(g)
+                if g != s[k + 1]:
+                    break
+            paths[rows[j]].append(path)
+        best: list[list[float]] = [[-np.inf, -np.inf] for _ in aliases]
+        for r, s, v in zip(rows, seqs, total, strict=True):
+            best[r] = [max(best[r][0], v), max(best[r][1], v / len(s))]
+        return best, paths
+
+    def _finished(self, tokens: list[int], rec: Mapping[str, Any]) -> tuple[bool, str]:
+        """Whether greedy ``tokens`` already fix the score, and their text."""
+        ids = [t for t in tokens if t not in self.eos]
+        text = self.tok.decode(ids[:MAX_NEW], skip_special_tokens=True)
+        done = (
+            len(ids) < len(tokens)
+            or len(tokens) >= MAX_NEW
+            or decided(text, rec["answers"], rec.get("answers_en", ()))
+        )
+        return done, text
+
+    def _greedy(self, b: _Batch, cache: Any, lp0: torch.Tensor, recs: list, paths: list) -> list:
+        """Greedy continuation per row, each stopped at EOS, ``MAX_NEW`` tokens, or once its
+        score is decided. Rows the forced pass already decided cost nothing; the others decode
+        (and leave the batch and the cache as they finish)."""
+        gen = [[int(t)] for t in lp0.argmax(-1).tolist()]
+        text = [""] * len(gen)
+        live = []
+        for r, cands in enumerate(paths):
+            for p in sorted(cands, key=len, reverse=True):
+                done, text[r] = self._finished(p, recs[r])
+                if done:
+                    break
+            if not done:
+                live.append(r)
+        in_cache, mask = list(range(len(gen))), b.mask
+        while live:
+            if live != in_cache:
+                keep = torch.tensor([in_cache.index(r) for r in live])
+                cache.batch_select_indices(keep.to(self.dev))
+                mask, in_cache = mask[keep], live
+            step = len(gen[live[0]])  # every live row has as many tokens
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], 1)
+            ids = torch.tensor([[gen[r][-1]] for r in live])
+            self.hooks.rows = b.rows[live]
+            nxt = self._forward(ids, mask, b.pos[live, -1:] + step, cache)[:, -1].argmax(-1)
+            for r, t in zip(live, nxt.tolist(), strict=True):
+                gen[r].append(int(t))
+            still = []
+            for r in live:
+                done, text[r] = self._finished(gen[r], recs[r])
+                if not done:
+                    still.append(r)
+            live = still
+        return text
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+METRICS: tuple[str, ...] = ("correct", "logp", "logp_tok", "english", "recall_any")
+
+
+def by_lang(records: Sequence[Mapping], res: Sequence[Mapping], key: str) -> dict[str, list[float]]:
+    """``{lang: [value per item]}`` of one metric, languages in first-seen order."""
+    out: dict[str, list[float]] = {}
+    for rec, r in zip(records, res, strict=True):
+        out.setdefault(rec["lang"], []).append(float(r[key]))
+    return out
+
+
+def _non_en(d: Mapping[str, list[float]]) -> dict[str, list[float]]:
+    return {k: v for k, v in d.items() if k != "en"}
+
+
+def summarise(
+    records: Sequence[Mapping],
+    res: Sequence[Mapping],
+    base: Sequence[Mapping] | None = None,
+    keys: Sequence[str] = METRICS,
+) -> dict[str, Any]:
+    """Per language and non-English mean (mean of language means, bootstrap 95 % CI) of every
+    metric; with ``base`` (same items), paired differences with paired bootstrap CIs."""
+    out: dict[str, Any] = {"n": len(res)}
+    for key in keys:
+        d = by_lang(records, res, key)
+        ne = _non_en(d)
+        m: dict[str, Any] = {"per_lang": {k: float(np.mean(v)) for k, v in d.items()}}
+        if ne:
+            m["non_en"] = float(np.mean([np.mean(v) for v in ne.values()]))
+            m["non_en_ci95"] = list(bootstrap_mean(ne))
+        if base is not None:
+            b = by_lang(records, base, key)
+            if ne:
+                m["diff_non_en"] = paired_bootstrap(ne, _non_en(b))
+            if "en" in d:
+                m["diff_en"] = paired_bootstrap({"en": d["en"]}, {"en": b["en"]})
+            m["diff_per_lang"] = {
+                k: float(np.mean(v) - np.mean(b[k])) for k, v in d.items()
+            }  # fmt: skip
+        out[key] = m
+    return out
+
+
+def compact(s: Mapping[str, Any]) -> dict[str, Any]:
+    """The headline numbers of a summary (non-English mean and paired difference)."""
+    out: dict[str, Any] = {}
+    for key in ("correct", "logp", "logp_tok"):
+        m = s[key]
+        out[key] = m.get("non_en")
+        if "diff_non_en" in m:
+            out[f"d_{key}"] = m["diff_non_en"]["diff"]
+            out[f"d_{key}_ci95"] = m["diff_non_en"]["ci95"]
+    return out
+
+
+# --- experiments -------------------------------------------------------------------------------
+
+
+def _slim(res: Sequence[Mapping]) -> list[dict]:
+    return [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in res]
+
+
+def headroom(runner: Runner, items: Sequence[dict], facts: Mapping[str, Fact], seed: int = 0):
+    """Step 1: every prompt condition on the same items, no vectors; paired against ``eval``."""
+    res: dict[str, list[dict]] = {}
+    timing: dict[str, float] = {}
+    for cond in CONDITIONS:
+        t0 = time.perf_counter()
+        res[cond] = runner.run(condition_records(items, facts, cond, seed))[0][0]
+        timing[cond] = round(time.perf_counter() - t0, 1)
+        log.info("headroom %s: %.0f s", cond, timing[cond])
+    base = res["eval"]
+    en_row = {facts[r["id"]].fact_id: i for i, r in enumerate(items) if r["lang"] == "en"}
+    twin = [base[en_row[facts[r["id"]].fact_id]] for r in items]  # (v): asked in English
+    res["english"] = twin
+    out: dict[str, Any] = {"conditions": {c: summarise(items, r, base) for c, r in res.items()}}
+    conv = res["convert"]
+    sets = {  # what each ceiling could add, counted on the eval form's wrong answers
+        "eval_correct": [b["correct"] for b in base],
+        "recall_any": [b["recall_any"] for b in base],
+        "known_en": [t["correct"] for t in twin],
+        "converts": [c["correct"] for c in conv],
+        "known_en_and_converts": [t["correct"] and c["correct"] for t, c in zip(twin, conv, strict=True)],
+        "wrong_but_known_en": [t["correct"] and not b["correct"] for t, b in zip(twin, base, strict=True)],
+        "wrong_but_known_en_and_converts": [
+            t["correct"] and c["correct"] and not b["correct"]
+            for t, c, b in zip(twin, conv, base, strict=True)
+        ],
+    }  # fmt: skip
+    out["shares"] = {
+        k: {**summarise(items, [{"v": float(x)} for x in v], None, ("v",))["v"]}
+        for k, v in sets.items()
+    }
+    out["seconds"] = timing
+    out["items"] = {c: _slim(r) for c, r in res.items() if c != "english"}
+    out["ids"] = [r["id"] for r in items]
+    return out
+
+
+def relation_means(
+    model: Any, tokenizer: Any, langs: Sequence[str], per_relation: int, seed: int = 0
+) -> dict[tuple[str, str], torch.Tensor]:
+    """``(lang, relation) -> [L, H]``: mean last-token block outputs of the eval form (3-shot)
+    over the first ``per_relation`` train facts of that relation in that language."""
+    out = {}
+    for lang in langs:
+        for rel in RELATIONS:
+            fs = load_facts("train", [lang], [rel])[:per_relation]
+            if fs:
+                ps = [prompt(f, 3, seed) for f in fs]
+                out[(lang, rel)] = last_token_means(model, tokenizer, ps, 16, f"{lang}/{rel}")[0]
+    return out
+
+
+def oracle_edits(
+    layers: Sequence[int],
+    h_x: torch.Tensor,
+    h_en: torch.Tensor,
+    rel_en: torch.Tensor,
+    rel_x: torch.Tensor,
+) -> list[Edit]:
+    """Step 2's four edits per block (all ``[N, L, H]``, row i = item i):
+    ``replace_fact`` h <- h_en (same fact, English eval form) at the last prompt token;
+    ``add_fact`` h <- h + (h_en - h_x) at the last prompt token *and* every later token (at the
+    last token the same as replacing; later tokens differ); ``replace_rel`` h <- the relation's
+    mean English state; ``add_rel`` h <- h + (relation mean English - relation mean in the query
+    language), last prompt and later tokens: a per-language, per-relation shift vector."""
+    edits = []
+    for ly in layers:
+        edits += [
+            Edit(f"replace_fact@{ly}", ly, "replace", h_en[:, ly]),
+            Edit(f"add_fact@{ly}", ly, "add", h_en[:, ly] - h_x[:, ly], gen=True),
+            Edit(f"replace_rel@{ly}", ly, "replace", rel_en[:, ly]),
+            Edit(f"add_rel@{ly}", ly, "add", rel_en[:, ly] - rel_x[:, ly], gen=True),
+        ]
+    return edits
+
+
+def oracle(
+    runner: Runner,
+    items: Sequence[dict],
+    facts: Mapping[str, Fact],
+    per_relation: int = 16,
+    layers: Sequence[int] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Step 2: patch the last prompt token's state at each block (see ``oracle_edits``), on the
+    non-English items of ``items`` (their English twins supply h_en); paired against no edit."""
+    layers = list(range(runner.num_layers)) if layers is None else list(layers)
+    t0 = time.perf_counter()
+    runs, states = runner.run(items, [None], capture=True)
+    base_all = runs[0]
+    assert states is not None
+    fid = [facts[r["id"]].fact_id for r in items]
+    en_row = {f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == "en"}
+    sel = [i for i, r in enumerate(items) if r["lang"] != "en" and fid[i] in en_row]
+    recs = [items[i] for i in sel]
+    h_x = states[sel]
+    h_en = states[[en_row[fid[i]] for i in sel]]
+    langs = sorted({r["lang"] for r in recs}) + ["en"]
+    means = relation_means(runner.model, runner.tok, langs, per_relation, seed)
+    rels = [facts[r["id"]].relation for r in recs]
+    rel_en = torch.stack([means[("en", rel)] for rel in rels])
+    rel_x = torch.stack([means[(r["lang"], rel)] for r, rel in zip(recs, rels, strict=True)])
+    mid = runner.num_layers // 2
+    edits: list[Edit | None] = [None, Edit(f"self@{mid}", mid, "replace", h_x[:, mid])]
+    edits += oracle_edits(layers, h_x, h_en, rel_en, rel_x)
+    t1 = time.perf_counter()
+    res, _ = runner.run(recs, edits)
+    base = res[0]
+    names = ["none"] + [e.name for e in edits[1:] if e is not None]
+    out: dict[str, Any] = {
+        "n_items": len(recs),
+        "layers": layers,
+        "per_relation": per_relation,
+        "edits": {n: summarise(recs, r, base) for n, r in zip(names, res, strict=True)},
+        "base_all_langs": summarise(items, base_all),
+        "seconds": {
+            "baseline+means": round(t1 - t0, 1),
+            "edits": round(time.perf_counter() - t1, 1),
+        },
+        "items": {
+            n: {"correct": [int(x["correct"]) for x in r], "logp": [round(x["logp"], 3) for x in r]}
+            for n, r in zip(names, res, strict=True)
+        },  # fmt: skip
+        "ids": [r["id"] for r in recs],
+    }
+    return out
+
+
+# --- reports -----------------------------------------------------------------------------------
+
+WHAT: dict[str, str] = {
+    "eval": "(i) eval form: 3-shot, query language",
+    "zero": "(ii) zero-shot query",
+    "native5": "(iii) 5 query-language demonstrations",
+    "mixed5": "(iv) 5 English demonstrations, query-language question",
+    "english": "(v) same fact asked in English (English answer scored)",
+    "convert": "(vi) explicit conversion, 3-shot, labels in the query language",
+}
+
+
+def _ci(d: Mapping[str, Any], scale: float = 100.0, fmt: str = "{:+.1f}") -> str:
+    lo, hi = d["ci95"]
+    return f"{fmt.format(scale * d['diff'])} [{fmt.format(scale * lo)}, {fmt.format(scale * hi)}]"
+
+
+def headroom_md(h: Mapping[str, Any]) -> list[str]:
+    c = h["conditions"]
+    lines = [
+        "| condition | non-English acc % [95 % CI] | Δ acc vs (i), pts [paired CI] | mean log P(gold) "
+        "| Δ log P [paired CI] | Δ log P / token [paired CI] | English acc % | recall-any % "
+        "| answered in English % |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in c.items():
+        acc, lp, lpt = s["correct"], s["logp"], s["logp_tok"]
+        lo, hi = acc["non_en_ci95"]
+        row = [
+            WHAT.get(name, name),
+            f"{pct(acc['non_en'])} [{pct(lo)}, {pct(hi)}]",
+            _ci(acc["diff_non_en"]) if name != "eval" else "—",
+            f"{lp['non_en']:.2f}",
+            _ci(lp["diff_non_en"], 1, "{:+.2f}") if name != "eval" else "—",
+            _ci(lpt["diff_non_en"], 1, "{:+.2f}") if name != "eval" else "—",
+            pct(acc["per_lang"].get("en")),
+            pct(s["recall_any"]["non_en"]),
+            pct(s["english"]["non_en"]),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    langs = list(c["eval"]["correct"]["per_lang"])
+    lines += ["", "Accuracy % per language:", ""]
+    lines += ["| condition | " + " | ".join(langs) + " |", "|---" * (len(langs) + 1) + "|"]
+    for name, s in c.items():
+        pl = s["correct"]["per_lang"]
+        lines.append(f"| {name} | " + " | ".join(pct(pl.get(g)) for g in langs) + " |")
+    lines += ["", "Shares of the non-English items (language mean, bootstrap 95 % CI):", ""]
+    lines += ["| set | % [CI] |", "|---|---|"]
+    for k, s in h["shares"].items():
+        lo, hi = s["non_en_ci95"]
+        lines.append(f"| {k} | {pct(s['non_en'])} [{pct(lo)}, {pct(hi)}] |")
+    return lines
+
+
+def oracle_md(o: Mapping[str, Any]) -> list[str]:
+    e = o["edits"]
+    variants = ("replace_fact", "add_fact", "replace_rel", "add_rel")
+    head = " | ".join(f"{v} Δacc / ΔlogP" for v in variants)
+    lines = [f"| block | {head} |", "|---" * (len(variants) + 1) + "|"]
+    for ly in o["layers"]:
+        cells = []
+        for v in variants:
+            s = e[f"{v}@{ly}"]
+            cells.append(
+                f"{100 * s['correct']['diff_non_en']['diff']:+.1f} / "
+                f"{s['logp']['diff_non_en']['diff']:+.2f}"
+            )
+        lines.append(f"| {ly} | " + " | ".join(cells) + " |")
+    lines += ["", "Best block per edit (by Δ log P; chosen on these items, so optimistic):", ""]
+    lines += ["| edit | block | Δ acc, pts [CI] | Δ log P [CI] | acc % | recall-any % |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for v in variants:
+        ly = max(o["layers"], key=lambda x: e[f"{v}@{x}"]["logp"]["diff_non_en"]["diff"])
+        s = e[f"{v}@{ly}"]
+        lines.append(
+            f"| {v} | {ly} | {_ci(s['correct']['diff_non_en'])} | "
+            f"{_ci(s['logp']['diff_non_en'], 1, '{:+.2f}')} | {pct(s['correct']['non_en'])} | "
+            f"{pct(s['recall_any']['non_en'])} |"
+        )
+    b = e["none"]
+    selfs = [k for k in e if k.startswith("self@")]
+    lines += [
+        "",
+        f"No edit: {pct(b['correct']['non_en'])} % non-English accuracy, mean log P "
+        f"{b['logp']['non_en']:.2f}, recall-any {pct(b['recall_any']['non_en'])} %. "
+        + "".join(
+            f"Sanity `{k}` (replace with the item's own state): Δacc "
+            f"{100 * e[k]['correct']['diff_non_en']['diff']:+.2f}, Δlog P "
+            f"{e[k]['logp']['diff_non_en']['diff']:+.4f}. "
+            for k in selfs
+        ),
+    ]
+    return lines
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Mapping[str, Any]], list[str]]]] = {
+    "headroom": ("Step 1: headroom without vectors", headroom_md),
+    "oracle": ("Step 2: oracle ceilings (last-prompt-token patching)", oracle_md),
+}
+
+
+def oracle_plot(o: Mapping[str, Any], path: Path) -> None:
+    """Δ log P(gold) and Δ accuracy per block for each oracle edit."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for v in ("replace_fact", "add_fact", "replace_rel", "add_rel"):
+        ly = o["layers"]
+        for ax, key, k in ((axes[0], "logp", 1.0), (axes[1], "correct", 100.0)):
+            ds = [o["edits"][f"{v}@{x}"][key]["diff_non_en"] for x in ly]
+            ax.plot(ly, [k * d["diff"] for d in ds], marker="o", label=v)
+            ax.fill_between(ly, [k * d["ci95"][0] for d in ds], [k * d["ci95"][1] for d in ds],
+                            alpha=0.15)  # fmt: skip
+    axes[0].set(xlabel="block", ylabel="Δ mean log P(gold), non-English", title="log P")
+    axes[1].set(xlabel="block", ylabel="Δ accuracy (points)", title="greedy accuracy")
+    for ax in axes:
+        ax.axhline(0, color="grey", lw=0.8)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(report: Mapping[str, Any], out: Path) -> None:
+    """``report.json`` (everything) and ``report.md`` (commands first, then each experiment)."""
+    lines = [f"# Ceilings: {report['model']}", "", "Commands (each experiment as run):", ""]
+    for name, exp in report["experiments"].items():
+        lines += [f"```bash\n# {name}\n{exp['command']}\n```"]
+    for name, exp in report["experiments"].items():
+        title, fn = SECTIONS.get(name, (name, lambda e: []))
+        lines += ["", f"## {title}", "", exp.get("setup", ""), ""]
+        lines += fn(exp)
+    figs = {}
+    if "oracle" in report["experiments"]:
+        figs["oracle.png"] = lambda p: oracle_plot(report["experiments"]["oracle"], p)
+    write(out, report, "\n".join(lines) + "\n", figs, indent=1)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _part(s: str) -> tuple[int, int]:
+    k, n = s.split("/")
+    return int(k), int(n)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m steerserve.research.ceilings",
+        description="Headroom (prompt conditions) and oracle (last-token patching) ceilings "
+        "for steering vectors; writes report.json and report.md to --out, merging experiments.",
+    )
+    p.add_argument("--model", required=True, help="local HF folder or an embedded model name")
+    p.add_argument("--out", required=True, type=Path, help="report folder")
+    p.add_argument(
+        "--experiments", default="headroom,oracle", help="comma-separated: headroom, oracle"
+    )
+    p.add_argument("--split", default="calib", help="fact split of the evaluated items")
+    p.add_argument(
+        "--part",
+        type=_part,
+        default=(0, 1),
+        help="headroom items: k/n = every n-th fact from the k-th",
+    )
+    p.add_argument("--limit-per-lang", type=int, default=None, help="headroom items per language")
+    p.add_argument("--oracle-part", type=_part, default=(0, 4), help="oracle items, as --part")
+    p.add_argument("--oracle-limit", type=int, default=None, help="oracle items per language")
+    p.add_argument("--per-relation", type=int, default=16, help="train facts per relation mean")
+    p.add_argument("--layers", default=None, help="oracle blocks, e.g. 0,4,8 (default: all)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0, help="demonstration seed")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from steerserve.models import load_hf_model
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    model, tok = load_hf_model(args.model)
+    runner = Runner(model, tok, args.batch_size)
+    facts = fact_index(args.split)
+    path = args.out / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"experiments": {}}
+    report["model"] = args.model
+    command = "python -m steerserve.research.ceilings " + shlex.join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+
+    def part(p: tuple[int, int]) -> str:
+        return f"every {p[1]}-th fact of each relation from the {p[0]}-th, {args.split} split"
+
+    for name in args.experiments.split(","):
+        t0 = time.perf_counter()
+        if name == "headroom":
+            items = eval_records(args.split, part=args.part, limit_per_lang=args.limit_per_lang)
+            exp = headroom(runner, items, facts, args.seed)
+            setup = f"{len(items)} items ({part(args.part)}, all 12 languages)."
+        elif name == "oracle":
+            items = eval_records(
+                args.split, part=args.oracle_part, limit_per_lang=args.oracle_limit
+            )
+            layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+            exp = oracle(runner, items, facts, args.per_relation, layers, args.seed)
+            setup = (
+                f"{exp['n_items']} non-English items ({part(args.oracle_part)}); "
+                f"relation means over {args.per_relation} train facts per relation and language."
+            )
+        else:
+            raise SystemExit(f"unknown experiment {name!r}")
+        exp["command"] = command
+        exp["setup"] = setup + f" Ran in {time.perf_counter() - t0:.0f} s."
+        report["experiments"][name] = exp
+        write_report(report, args.out)
+        log.info("%s done in %.0f s -> %s", name, time.perf_counter() - t0, args.out)
+
+
+if __name__ == "__main__":
+    main()
