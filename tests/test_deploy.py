@@ -1,4 +1,4 @@
-"""Deployment (issue 5). No Docker engine runs here, so CI proves the images instead of building them.
+"""Deployment. No Docker engine runs here, so CI proves the images instead of building them.
 
 * Dockerfiles: hadolint, and the promises the images make: non-root user, health check, port, the
   shared CPU install script, the vectors, only STEERSERVE_* variables that `serve` reads.

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from steerserve.research import report as R
-from steerserve.research.analyze_report import CLASSES, _base
+from steerserve.research.analyze import CLASSES
+from steerserve.research.analyze_report import base_arm
 
 
 def figures(rep: Mapping[str, Any]) -> dict[str, Callable[[Path], None]]:
@@ -82,7 +83,7 @@ def plot_failures(rep: Mapping[str, Any], path: Any) -> None:
     pooled non-English per arm."""
     plt = R.pyplot()
     arms = rep["arms"]
-    base = _base(arms)
+    base = base_arm(arms)
     per = {g: s for g, s in arms[base]["per_language"].items() if g != "en"}
     groups = [
         (list(per), list(per.values())),

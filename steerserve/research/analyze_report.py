@@ -196,7 +196,7 @@ def sensitivity(rep: Mapping[str, Any], arm: str) -> list[dict[str, Any]]:
 def findings(rep: Mapping[str, Any]) -> list[str]:
     """The report's headline numbers as sentences, computed (not written by hand)."""
     arms, th = rep["arms"], rep["threshold"]
-    base = _base(arms)
+    base = base_arm(arms)
     ne = arms[base]["non_english"]
     f = ne["failures"]
     out = []
@@ -307,7 +307,7 @@ def _lens_table(rep: Mapping[str, Any]) -> list[str]:
 
 def _per_language(rep: Mapping[str, Any]) -> list[str]:
     lo, hi = rep["window"]
-    base = _base(rep["arms"])
+    base = base_arm(rep["arms"])
     shown = sorted({0, lo, (lo + hi) // 2, hi - 2, hi - 1, hi} & set(range(rep["num_layers"])))
     L = [
         *_heading(f"Per language, arm `{base}`: median rank English / target at selected blocks"),
@@ -331,7 +331,7 @@ def _per_language(rep: Mapping[str, Any]) -> list[str]:
 
 def _failures(rep: Mapping[str, Any]) -> list[str]:
     lo, hi = rep["window"]
-    base = _base(rep["arms"])
+    base = base_arm(rep["arms"])
     per = rep["arms"][base]["per_language"]
     ref = f"{R.pct(REFERENCE_SPLIT['recall'])} % recall / {R.pct(REFERENCE_SPLIT['conversion'])} %"
     L = [
@@ -391,7 +391,7 @@ def _steering(rep: Mapping[str, Any]) -> list[str]:
             f"{R.pct(f['conversion_share'])} | {R.pct(s['en_formed_share'])} | "
             f"{'–' if fl is None else fl} | " + " | ".join(tv) + " |"
         )
-    if "en" in arms[_base(arms)]["per_language"]:
+    if "en" in arms[base_arm(arms)]["per_language"]:
         L += ["", "English items (the vectors must not hurt English): accuracy % by arm: "]
         L[-1] += ", ".join(
             f"{a} {R.pct(r['per_language']['en']['accuracy'])}"
@@ -401,7 +401,7 @@ def _steering(rep: Mapping[str, Any]) -> list[str]:
     return L
 
 
-def _base(arms: Mapping[str, Any]) -> str:
+def base_arm(arms: Mapping[str, Any]) -> str:
     """The arm others are compared with: the unsteered one, else the first."""
     return UNSTEERED if UNSTEERED in arms else next(iter(arms))
 

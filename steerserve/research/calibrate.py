@@ -232,7 +232,7 @@ def calibrate(
         for layer in grid.translation_layers
         for s in grid.translation_scales
     ]
-    # Joint: the marginal winners may not be the best pair (the note's warning), so all pairs
+    # Joint: the marginal winners may not be the best pair, so all pairs
     # of the top-k by non-English accuracy, whatever their English cost alone.
     top_r = sorted(rec_rows, key=lambda r: -r.non_en)[: grid.top_k]
     top_t = sorted(tr_rows, key=lambda r: -r.non_en)[: grid.top_k]

@@ -4,7 +4,7 @@ For every decoder block at once we read the residual stream at the last prompt t
 of block L, captured by forward hooks so it is exactly what the engine steers: transformers'
 ``hidden_states[L+1]``, except that its last entry is after the final norm). From group means:
 
-- recall task vectors, one per variant (the paper leaves them open): demonstrations in English
+- recall task vectors, one per variant (an open choice): demonstrations in English
   (``en``), in the query language (``native``) or English demonstrations before a query-language
   query (``mixed``); the raw few-shot mean (``raw``) or few-shot minus zero-shot (``diff``).
 - the translation difference vector: mean over explicit translation prompts ("English: Paris →
@@ -53,7 +53,7 @@ class ExtractConfig:
     """What to extract from; the defaults fit a 2-core CPU in a few minutes for a 270M model."""
 
     per_lang: int = 48  # train facts per language (relations interleaved)
-    recall_shots: int = 5  # the paper's k for the task vector
+    recall_shots: int = 5  # demonstrations in the task-vector prompts
     translation_shots: int = 3
     seed: int = 0
     batch_size: int = 16
