@@ -486,7 +486,7 @@ PERU = "What is the capital of Peru? Answer with just the name."
 
 @pytest.mark.slow
 def test_qwen_conversion(qwen_dir: Path) -> None:
-    """The checked conversion of the chat model: bf16 within the measured tolerance, no BOS, its
+    """The checked conversion of the chat model: float32 logits equal to the GGUF's, no BOS, its
     ChatML template with Qwen's default system prompt, a turn ending at <|im_end|>."""
     from transformers import AutoTokenizer
 
@@ -495,8 +495,8 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
     assert marker["gguf_sha256"] == models.QWEN_CODER.gguf_sha256
     assert marker["packages"] == {c.package: "0.2.0" for c in models.QWEN_CODER.chunks}
     check = marker["check"]
-    assert marker["dtype"] == "bfloat16" and check["passed"] and not check["bos"]
-    assert check["max_abs_logit_diff"] <= check["tolerance"] == 1.0
+    assert marker["dtype"] == "float32" and check["passed"] and not check["bos"]
+    assert check["max_abs_logit_diff"] <= check["tolerance"] == 1e-4
     cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and "quantization_config" not in cfg
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]) == (
@@ -520,22 +520,27 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_vllm_answers_a_chat_turn_and_stops(qwen_dir: Path) -> None:
-    """vLLM (CPU, the served dtype) loads the conversion, tokenizes the chat as transformers
-    does, answers, and ends the turn at <|im_end|> well before max_tokens."""
+    """vLLM (CPU, the served dtype) loads the conversion, answers a chat turn in English and in
+    Japanese, and ends each at <|im_end|> well before max_tokens."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from steerserve.engine.api import EngineConfig, SteerEngine
 
     tok = AutoTokenizer.from_pretrained(qwen_dir)
-    questions = [PERU, "ペルーの首都はどこですか？名前だけで答えてください。"]
+    questions = [PERU, "フランスの首都はどこですか？"]  # with "name only": 巴黎 (Chinese)
     chats = [[{"role": "user", "content": q}] for q in questions]
     ids = [
         list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"])
         for c in chats
     ]
     eng = SteerEngine(
-        EngineConfig(model=str(qwen_dir), max_model_len=512, kv_cache_memory_bytes=128 << 20)
+        EngineConfig(
+            model=str(qwen_dir),
+            dtype="float32",  # as served on CPU (faster than bfloat16 without native support)
+            max_model_len=512,
+            kv_cache_memory_bytes=128 << 20,
+        )
     )
     try:
         outs = eng.generate(ids, SamplingParams(max_tokens=24, temperature=0))
@@ -545,4 +550,4 @@ def test_vllm_answers_a_chat_turn_and_stops(qwen_dir: Path) -> None:
         c = o.outputs[0]
         assert c.finish_reason == "stop" and len(c.token_ids) < 24, c
     assert outs[0].outputs[0].text.strip().startswith("Lima")
-    assert "リマ" in outs[1].outputs[0].text or "Lima" in outs[1].outputs[0].text
+    assert "パリ" in outs[1].outputs[0].text
