@@ -3,7 +3,7 @@ safetensors folder.
 
 Fast tests run that path on fake chunk packages (real distributions with RECORD files, put on
 ``sys.path`` in a tmp dir) holding a tiny real GGUF; slow tests convert (or reuse) the real Gemma 3
-270M and Qwen2.5-Coder-1.5B-Instruct and run them in vLLM.
+270M and Qwen2.5-Coder-1.5B-Instruct (tests/test_server_chat_model.py serves the latter).
 """
 
 from __future__ import annotations
@@ -516,38 +516,3 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
         f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n{PERU}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-
-
-@pytest.mark.slow
-def test_vllm_answers_a_chat_turn_and_stops(qwen_dir: Path) -> None:
-    """vLLM (CPU, the served dtype) loads the conversion, answers a chat turn in English and in
-    Japanese, and ends each at <|im_end|> well before max_tokens."""
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-
-    from steerserve.engine.api import EngineConfig, SteerEngine
-
-    tok = AutoTokenizer.from_pretrained(qwen_dir)
-    questions = [PERU, "フランスの首都はどこですか？"]  # with "name only": 巴黎 (Chinese)
-    chats = [[{"role": "user", "content": q}] for q in questions]
-    ids = [
-        list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"])
-        for c in chats
-    ]
-    eng = SteerEngine(
-        EngineConfig(
-            model=str(qwen_dir),
-            dtype="float32",  # as served on CPU (faster than bfloat16 without native support)
-            max_model_len=512,
-            kv_cache_memory_bytes=128 << 20,
-        )
-    )
-    try:
-        outs = eng.generate(ids, SamplingParams(max_tokens=24, temperature=0))
-    finally:
-        eng.shutdown()
-    for o in outs:
-        c = o.outputs[0]
-        assert c.finish_reason == "stop" and len(c.token_ids) < 24, c
-    assert outs[0].outputs[0].text.strip().startswith("Lima")
-    assert "パリ" in outs[1].outputs[0].text
