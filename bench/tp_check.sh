@@ -10,7 +10,7 @@
 #   bench/tp_check.sh
 #
 # Environment:
-#   MODEL   a local checkpoint folder, or `default` (the embedded Gemma 3 270M; 4 heads, so TP=2 fits)
+#   MODEL   a local checkpoint folder, or `default` (the embedded chat model; 2 KV heads, so TP=2 fits)
 #   TP      tensor-parallel size to check (default 2)
 #   PP      pipeline-parallel size to check (default 1; e.g. TP=1 PP=2 on 2 GPUs)
 #   PORT    first port to use (default 8011; the TP=1 reference server uses PORT+1)
