@@ -200,6 +200,14 @@ def test_auth_required(server: Server, method: str, path: str, auth: str | None)
     assert r.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize("key", ["clé", "キー", KEY + "é"])
+def test_non_ascii_key_is_401(server: Server, key: str) -> None:
+    """A key that is not ASCII (sent as UTF-8 bytes) is refused like any wrong key, not a 500."""
+    r = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key}".encode()})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_ops_endpoints_need_no_key(server: Server) -> None:
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200

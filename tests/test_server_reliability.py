@@ -5,13 +5,16 @@ prompts. The engine here splits every prompt longer than 64 tokens (``max_num_ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_server import AUTH, KEY, MODEL, Server, chat_body, make_artifact
+from test_server import AUTH, KEY, MODEL, Server, _wait, chat_body, make_artifact, metric
 
 LONG = "Quelle est la capitale de la France ? " * 8  # ~300 byte tokens: 5 prefill steps
 
@@ -83,3 +86,111 @@ def test_concurrent_seeded_long_prompts_and_ab_calls_all_answer(
     for r in again:
         for arm in ("unsteered", "steered"):
             assert r.json()[arm]["choices"] == solo_ab[arm]["choices"]
+
+
+# --- clients that hang up -----------------------------------------------------------------------
+
+
+def _on_loop(server: Server, coro: Any) -> Any:
+    """Run ``coro`` on the server's event loop (where the engine client lives)."""
+    loop = server.server.servers[0].get_loop()
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+
+def _engine_idle(server: Server, timeout: float = 15.0) -> bool:
+    """Whether EngineCore itself (not only the front end) holds no request, within ``timeout``."""
+    llm = server.app.state.steer.backend.llm
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _on_loop(server, llm.engine_core.call_utility_async("has_work")):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _requests_total(http: httpx.Client, status: str) -> float:
+    return metric(http, "steerserve_requests_total", endpoint="chat", status=status)
+
+
+async def _drop_after_first_chunk(c: httpx.AsyncClient, body: dict[str, Any]) -> None:
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                return  # hang up mid-stream
+
+
+def test_mid_stream_drops_all_abort(server: Server, http: httpx.Client) -> None:
+    """200 clients hang up after the first chunk of a 400-token stream, 40 at a time: each is
+    a 499 and the engine aborts every one (EngineCore is idle right after)."""
+    before = {s: _requests_total(http, s) for s in ("200", "499")}
+    tokens = metric(http, "steerserve_tokens_total", kind="completion")
+    body = chat_body("hi", stream=True, max_tokens=400, steering=False)
+
+    async def waves() -> None:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=120, limits=limits
+        ) as c:
+            for _ in range(5):
+                await asyncio.gather(*(_drop_after_first_chunk(c, body) for _ in range(40)))
+
+    asyncio.run(waves())
+    assert _engine_idle(server), "EngineCore still generating for clients that left"
+    assert _wait(lambda: _requests_total(http, "499") == before["499"] + 200)
+    assert _requests_total(http, "200") == before["200"]
+    sent = metric(http, "steerserve_tokens_total", kind="completion") - tokens
+    assert sent < 200 * 400 / 4, sent
+
+
+def test_hang_ups_while_the_server_is_busy_are_499(server: Server, http: httpx.Client) -> None:
+    """Clients hang up while the server's event loop is blocked and the engine finishes their
+    answers meanwhile: the answers are ready but nobody reads them, so all are 499, not 200."""
+    before = {s: _requests_total(http, s) for s in ("200", "499")}
+    loop = server.server.servers[0].get_loop()
+
+    async def one(c: httpx.AsyncClient, i: int, started: asyncio.Semaphore) -> None:
+        body = chat_body("hi", max_tokens=30, stream=i % 2 == 0, steering=False)
+
+        async def go() -> None:
+            if body["stream"]:
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        started.release()
+                        await asyncio.sleep(60)  # read one line, then hang up
+            else:
+                started.release()
+                await c.post("/v1/chat/completions", json=body)
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(go(), 2.0)
+
+    async def run() -> None:
+        started = asyncio.Semaphore(0)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
+            tasks = [asyncio.create_task(one(c, i, started)) for i in range(16)]
+            for _ in tasks:
+                await started.acquire()
+            await asyncio.sleep(0.05)
+            loop.call_soon_threadsafe(time.sleep, 3.0)  # busy: the hang-ups queue up
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert _wait(lambda: _requests_total(http, "499") == before["499"] + 16, 15)
+    assert _requests_total(http, "200") == before["200"]
+
+
+def test_hang_up_while_uploading_is_499(server: Server, http: httpx.Client) -> None:
+    """A client that closes the connection half-way through its request body is a 499, not a
+    500 with a traceback."""
+    before = {s: _requests_total(http, s) for s in ("499", "500")}
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: 100000\r\n\r\n"
+    )
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(head.encode() + b'{"model": "llama", "messages": [')
+            time.sleep(0.2)
+    assert _wait(lambda: _requests_total(http, "499") == before["499"] + 3)
+    assert _requests_total(http, "500") == before["500"]

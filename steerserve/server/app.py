@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from steerserve.server import endpoints, pipeline
 from steerserve.server.protocol import (
@@ -46,7 +47,9 @@ async def require_key(request: Request) -> None:
         return
     auth = request.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), key):
+    # Compared as bytes: headers arrive as latin-1 text, and compare_digest refuses non-ASCII str.
+    sent, wanted = given.strip().encode("latin-1"), key.encode()
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent, wanted):
         raise ApiError(
             "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
             status=401,
@@ -94,6 +97,12 @@ def _errors(app: FastAPI) -> None:
         typ = "invalid_request_error" if e.status_code < 500 else "server_error"
         err = ApiError(str(e.detail), status=e.status_code, type=typ)
         return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect) -> Response:
+        """The client hung up while sending its request: nobody reads the answer."""
+        pipeline.refused(request, 499)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -97,8 +97,10 @@ class Flight:
     client going away (499, the engine requests aborted); an engine error as an API error; every
     engine request closed; tokens counted per arm; the request counted once."""
 
-    def __init__(self, state: ServerState, call: Call, gens: Sequence[AsyncGenerator]) -> None:
-        self.state, self.call, self.gens = state, call, gens
+    def __init__(
+        self, state: ServerState, call: Call, request: Request, gens: Sequence[AsyncGenerator]
+    ) -> None:
+        self.state, self.call, self.request, self.gens = state, call, request, gens
         self.status = 200
         self.tokens: dict[str, list[int]] = {}
 
@@ -121,17 +123,32 @@ class Flight:
     ) -> bool:
         gone = isinstance(e, (ClientGone, asyncio.CancelledError, GeneratorExit))
         err = None if e is None or gone else self.failed(e)
-        if gone:
-            self.status = 499
-        self.state.metrics.queue_depth.dec()
-        for g in self.gens:
-            await g.aclose()
-        for arm, (prompt, completion) in self.tokens.items():
-            self.state.metrics.count_tokens(arm, prompt, completion)
-        finish(self.state, self.call, self.status)
+        try:
+            if e is None and await client_gone(self.request):
+                gone = True  # the answer was ready, but nobody is there to read it
+        except asyncio.CancelledError:  # cancelled for the hang-up while looking for it
+            gone = True
+            raise
+        finally:
+            self._settle(499 if gone else self.status)
+            # Closing aborts unfinished engine requests; a cancellation of this task (Starlette
+            # cancels a stream's task group again at every await) must not stop it half-way.
+            await asyncio.shield(asyncio.ensure_future(_close(self.gens)))
         if err is not None:
             raise err from None
         return isinstance(e, ClientGone)  # collected: answered 499 by the caller
+
+    def _settle(self, status: int) -> None:
+        self.status = status
+        self.state.metrics.queue_depth.dec()
+        for arm, (prompt, completion) in self.tokens.items():
+            self.state.metrics.count_tokens(arm, prompt, completion)
+        finish(self.state, self.call, status)
+
+
+async def _close(gens: Sequence[AsyncGenerator]) -> None:
+    for g in gens:
+        await g.aclose()
 
 
 # --- the path -----------------------------------------------------------------------------------
@@ -166,9 +183,9 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     if req.stream:
         [arm] = arms
         events = ep.events(req, prompts, rid, arm.info, backend.tokenizer)
-        return await stream(state, call, arm, events, gens[0], prompts, headers)
+        return await stream(state, call, request, arm, events, gens[0], prompts, headers)
     every = [g for per_arm in gens for g in per_arm]
-    async with Flight(state, call, every) as flight:
+    async with Flight(state, call, request, every) as flight:
         outs = await until_disconnect(request, collect_all(gens))
         usage = [_usage(out) for out in outs]
         for arm, u in zip(arms, usage, strict=True):
@@ -229,9 +246,17 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
 # --- collect ------------------------------------------------------------------------------------
 
 
+async def client_gone(request: Request) -> bool:
+    """Whether the client has hung up. A hang-up that arrived while the event loop was busy is
+    still queued as I/O: a few loop turns let the server see it before it is asked."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+    return await request.is_disconnected()
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run ``work``; cancel it (aborting generation) and raise :class:`ClientGone` if the client
-    disconnects first. Streams need no watcher: Starlette cancels them."""
+    disconnects first. Once a stream has started, Starlette cancels it on a hang-up."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -278,32 +303,45 @@ def _usage(outputs: Sequence[Any]) -> Usage:
 async def stream(
     state: ServerState,
     call: Call,
+    request: Request,
     arm: Arm,
     events: Any,
     gens: list[AsyncGenerator],
     prompts: Prompts,
     headers: dict[str, str],
-) -> StreamingResponse:
+) -> Response:
     """Wait for every request's first output, so engine-side refusals are still a proper 4xx
-    (the stream's 200 is not sent yet), then stream the events."""
+    (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream."""
+    try:
+        firsts = await until_disconnect(request, first_outputs(gens))
+    except ClientGone:
+        async with Flight(state, call, request, gens) as flight:
+            raise ClientGone from None
+        return Response(status_code=flight.status)
+    except Exception as e:
+        for g in gens:
+            await g.aclose()
+        raise engine_error(e) from None
+    body = _events(state, call, request, arm, events, gens, firsts, sum(map(len, prompts.ids)))
+    headers = {**headers, "cache-control": "no-cache"}
+    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+
+
+async def first_outputs(gens: list[AsyncGenerator]) -> list[Any]:
+    """The first output of every engine request (None for one that ended without any)."""
     firsts = []
     for g in gens:
         try:
             firsts.append(await g.__anext__())
         except StopAsyncIteration:
             firsts.append(None)
-        except Exception as e:
-            for other in gens:
-                await other.aclose()
-            raise engine_error(e) from None
-    body = _events(state, call, arm, events, gens, firsts, sum(map(len, prompts.ids)))
-    headers = {**headers, "cache-control": "no-cache"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    return firsts
 
 
 async def _events(
     state: ServerState,
     call: Call,
+    request: Request,
     arm: Arm,
     events: Any,
     gens: list[AsyncGenerator],
@@ -311,7 +349,7 @@ async def _events(
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     """The endpoint's events, ``[DONE]``, an engine error as a final OpenAI-format event."""
-    async with Flight(state, call, gens) as flight:
+    async with Flight(state, call, request, gens) as flight:
         flight.count(arm.label, prompt_tokens, 0)
         merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)])
         completion = 0
