@@ -1,5 +1,6 @@
-"""The server on what `steerserve serve` loads with no arguments: the embedded Gemma 3 270M and the
-artifact shipped in vectors/ (slow: the real model, ~1 min to start on 2 CPU cores)."""
+"""The server on the embedded Gemma 3 270M (`steerserve serve --model gemma-3-270m`) and the
+artifact shipped for it in vectors/ (slow: the real model, ~1 min to start on 2 CPU cores). The
+default chat model is served in test_server_chat_model.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def default_server() -> Iterator[Server]:
 
     if not any(VECTORS.glob("gemma-3-270m/*/manifest.json")):
         pytest.skip("no shipped artifact for the default model in vectors/")
-    cfg = EngineConfig(model=str(resolve_model("default")), kv_cache_memory_bytes=256 << 20)
+    cfg = EngineConfig(model=str(resolve_model("gemma-3-270m")), kv_cache_memory_bytes=256 << 20)
     srv = Server(create_app(ServerSettings(engine=cfg, vectors_dir=str(VECTORS))))
     srv.start(timeout=600)
     yield srv
