@@ -283,10 +283,32 @@ def vectors_verify(
 
 # --- extract / calibrate / eval: the two interventions, calibrated and evaluated --------------
 
-_MODEL_HELP = "Local HF checkpoint folder, or 'default' (the embedded Gemma 3 270M)."
+_MODEL_HELP = (
+    "Local HF checkpoint folder, or an embedded model: 'default' (Qwen2.5-Coder-1.5B-Instruct, "
+    "chat) or 'gemma-3-270m' (base, few-shot completion)."
+)
 _ENGINE_DTYPE_HELP = "vLLM dtype: auto, float32, bfloat16 or float16."
 _KV_HELP = "vLLM KV cache bytes (CPU needs one); 0 lets vLLM size it on a GPU."
 _THREADS_HELP = "CPU cores for vLLM's threads, e.g. '0' or '0-1' (CPU only; default: vLLM's)."
+_FORM_HELP = (
+    "Prompt form: completion (few-shot text, base models), chat (messages rendered by the model's "
+    "chat template, as the server renders them) or auto"
+)
+_MAX_TOKENS_HELP = "Greedy tokens per answer (stops at newline; default 8, 12 for chat replies)."
+
+
+def _max_tokens(value: int, form: str) -> int:
+    """``--max-tokens``, else 8 for a completion and 12 for a chat reply (an assistant may
+    say a few words before the name: "フランスの首都はパリです")."""
+    return value or (12 if form == "chat" else 8)
+
+
+def _artifact_form(art: object) -> str | None:
+    """The form an artifact was calibrated on (recorded with its calibration), if any."""
+    if art is None:
+        return None
+    cal = art.manifest.interventions[0].calibration or {}  # type: ignore[attr-defined]
+    return (cal.get("scoring") or {}).get("form")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -316,6 +338,9 @@ def extract(
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
     seed: int = typer.Option(0, help="Seed of the demonstration choice."),
     langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
+    form: str = typer.Option(
+        "auto", help=_FORM_HELP + " (chat for a model whose name ends in -instruct, -it, -chat)."
+    ),
 ) -> None:
     """Extract per-layer candidate recall and translation vectors (all layers, last token)."""
     import json
@@ -326,12 +351,18 @@ def extract(
     from steerserve.research.extract import ExtractConfig, summary
     from steerserve.research.extract import extract as run_extract
     from steerserve.research.hf import load_model
+    from steerserve.research.records import default_form
 
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
+    try:
+        form = default_form(_resolve_model(model), form)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--form") from None
     mdl, tok = load_model(model, device=device, dtype=dtype)
     cfg = ExtractConfig(
+        form=form,
         per_lang=per_lang,
         recall_shots=recall_shots,
         translation_shots=translation_shots,
@@ -344,7 +375,9 @@ def extract(
         model=str(model), device=device, dtype=dtype, total_seconds=time.perf_counter() - t0
     )
     cands.save(out)
-    typer.echo(f"wrote {out} ({len(cands.names)} candidates, {cands.meta['seconds']} s)")
+    typer.echo(
+        f"wrote {out} ({len(cands.names)} {form}-form candidates, {cands.meta['seconds']} s)"
+    )
     for row in summary(cands):
         typer.echo(json.dumps(row))
 
@@ -363,8 +396,21 @@ def calibrate(
     model: str = typer.Option("default", help=_MODEL_HELP),
     per_lang: int = typer.Option(10, help="Calibration facts per non-English language."),
     en_items: int = typer.Option(30, help="English calibration facts (the <=1 pt guard)."),
-    shots: int = typer.Option(3, help="Demonstrations in the calibration prompts."),
-    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (stops at newline)."),
+    shots: int = typer.Option(
+        None,
+        help="Demonstrations in the calibration prompts (default: 3 for completion, 0 for chat).",
+        show_default=False,
+    ),
+    max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
+    form: str = typer.Option(
+        "auto", help=_FORM_HELP + " (the form the candidates were extracted in)."
+    ),
+    dataset: Path | None = typer.Option(
+        None,
+        help="JSONL records of one form (see eval --dataset) instead of the built-in "
+        "calibration split; with --holdout, every other record of each language is held out.",
+        show_default=False,
+    ),
     variants: str = typer.Option(
         "recall.native.diff,recall.mixed.diff,recall.en.diff", help="Recall candidates to sweep."
     ),
@@ -404,11 +450,23 @@ def calibrate(
     from steerserve.research.arms import UNSTEERED
     from steerserve.research.evaluate import open_engine
     from steerserve.research.extract import Candidates
+    from steerserve.research.records import dataset_form, default_form, read_dataset
 
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
     cands = Candidates.load(candidates)
     n_layers = int(cands.meta["num_layers"])
+    try:
+        records = read_dataset(dataset) if dataset is not None else None
+        if records is not None:
+            form = dataset_form(records)
+        else:  # auto: the form the candidates were extracted in
+            form = default_form(
+                model_dir, cands.meta.get("form", "completion") if form == "auto" else form
+            )
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
+    max_tokens = _max_tokens(max_tokens, form)
     kw: dict = dict(
         recall_variants=_strs(variants),
         recall_scales=_floats(recall_scales),
@@ -426,19 +484,25 @@ def calibrate(
         grid = cal.Grid.for_layers(n_layers, **kw)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--positions") from None
-    records = cal.calib_records(per_lang, en_items, shots, part=(0, 2) if holdout else (0, 1))
+    if records is not None:
+        records, held = cal.split_records(records, bool(holdout))
+    else:
+        part = (0, 2) if holdout else (0, 1)
+        records = cal.calib_records(per_lang, en_items, shots, part=part, form=form)
+        held = cal.calib_records(holdout, holdout, shots, part=(1, 2), form=form) if holdout else []
     eng = open_engine(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
     t_engine = time.perf_counter() - t0
     try:
         result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
-        if holdout:
-            held = cal.calib_records(holdout, holdout, shots, part=(1, 2))
+        if held:
             cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
     finally:
         eng.shutdown()
-    result["prompts"] = f"calibration split, {shots}-shot, greedy, <= {max_tokens} tokens"
+    source = str(dataset) if dataset else "calibration split"
+    n_shots = shots if shots is not None else 3 if form == "completion" else 0
+    result["prompts"] = f"{source}, {form} form, {n_shots}-shot, greedy, <= {max_tokens} tokens"
     result["timings_s"] = {
         "extract": cands.meta.get("total_seconds"),
         "engine_start": round(t_engine, 1),
@@ -517,7 +581,9 @@ def eval_cmd(
     out: Path = typer.Option(Path("out/eval"), help="Writes report.json, report.md, accuracy.png."),
     model: str = typer.Option("default", help=_MODEL_HELP),
     dataset: Path | None = typer.Option(
-        None, help="JSONL {id, lang, prompt, answers, answers_en?}; default: built-in test split."
+        None,
+        help="JSONL {id, lang, prompt | messages, answers, answers_en?, answers_zh?} (completion "
+        "or chat records, one form per file); default: built-in test split.",
     ),
     arms: str = typer.Option(
         "",
@@ -527,9 +593,17 @@ def eval_cmd(
         show_default=False,
     ),
     limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
-    shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
+    shots: int = typer.Option(
+        None,
+        help="Built-in split: demonstrations per prompt (default: 3 for completion, 0 for chat).",
+        show_default=False,
+    ),
     split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
-    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (stops at newline)."),
+    form: str = typer.Option(
+        "auto",
+        help=_FORM_HELP + " (built-in split; auto: the form the artifact was calibrated in).",
+    ),
+    max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
     dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
     kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
@@ -540,16 +614,25 @@ def eval_cmd(
 
     from steerserve.research import evaluate as ev
     from steerserve.research.facts import eval_records
-    from steerserve.research.scoring import read_dataset
+    from steerserve.research.records import dataset_form, default_form, read_dataset
 
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
     art = _artifact(artifact, model_dir, vectors_dir, ("steered",))
     arm_list = _arms(arms, art, controls=True)
-    if dataset is not None:
-        records = read_dataset(dataset)
-    else:
-        records = eval_records(split, shots=shots, limit_per_lang=limit_per_lang or None)
+    try:
+        if dataset is not None:
+            records = read_dataset(dataset)
+            form = dataset_form(records)
+        else:
+            form = default_form(
+                model_dir, (_artifact_form(art) or "auto") if form == "auto" else form
+            )
+            limit = limit_per_lang or None
+            records = eval_records(split, shots=shots, limit_per_lang=limit, form=form)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
+    max_tokens = _max_tokens(max_tokens, form)
     eng = ev.open_engine(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
@@ -557,8 +640,9 @@ def eval_cmd(
     meta: dict = {
         "model": str(model_dir.name),
         "artifact": art.key,
-        "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
+        "dataset": str(dataset) if dataset else _builtin(split, form, shots),
         "n_items": len(records),
+        "max_tokens": max_tokens,
         "interventions": _interventions(art),
     }
 
@@ -588,12 +672,21 @@ def analyze(
     model: str = typer.Option("default", help=_MODEL_HELP),
     dataset: Path | None = typer.Option(
         None,
-        help="JSONL {id, lang, prompt, answers, answers_en, sep?}; default: built-in split. "
-        "answers_en is needed to classify failures; sep is what precedes the answer "
-        "(default: ' ', '' for zh/ja).",
+        help="JSONL {id, lang, prompt | messages, answers, answers_en, answers_zh?, sep?}; "
+        "default: built-in split. answers_en is needed to classify failures, answers_zh to "
+        "follow the Chinese answer; sep is what precedes the answer (default: ' ', '' for "
+        "zh/ja, and for a chat what follows its template).",
     ),
     split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
-    shots: int = typer.Option(3, help="Built-in split: demonstrations per prompt."),
+    shots: int = typer.Option(
+        None,
+        help="Built-in split: demonstrations per prompt (default: 3 for completion, 0 for chat).",
+        show_default=False,
+    ),
+    form: str = typer.Option(
+        "auto",
+        help=_FORM_HELP + " (built-in split; auto: the artifact's form, else by the model's name).",
+    ),
     sample: int = typer.Option(
         12, help="Seeded random N items per language (same positions in every language); 0: all."
     ),
@@ -617,7 +710,7 @@ def analyze(
     window: str = typer.Option(
         "", help="Blocks LO,HI (inclusive) searched for the English answer; default: 2nd half."
     ),
-    max_tokens: int = typer.Option(8, help="Greedy tokens per answer (first line is scored)."),
+    max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
     batch_size: int = typer.Option(8, help="Prompts per forward pass."),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, ..."),
@@ -632,7 +725,7 @@ def analyze(
     from steerserve.research import analyze_report as ar
     from steerserve.research.facts import eval_records
     from steerserve.research.hf import decoder_layers, load_model
-    from steerserve.research.scoring import read_dataset
+    from steerserve.research.records import dataset_form, default_form, read_dataset
 
     if threads:
         torch.set_num_threads(threads)
@@ -641,10 +734,19 @@ def analyze(
     art = _artifact(artifact, model_dir, vectors_dir, _strs(arms))
     arm_list = _arms(arms, art, controls=False)
     lang_list = None if langs == "all" else _strs(langs)
-    if dataset is not None:
-        records = an.sample(read_dataset(dataset), sample, lang_list, seed)
-    else:
-        records = an.sample(eval_records(split, shots=shots, langs=lang_list), sample, seed=seed)
+    try:
+        if dataset is not None:
+            records = an.sample(read_dataset(dataset), sample, lang_list, seed)
+            form = dataset_form(records)
+        else:
+            form = default_form(
+                model_dir, (_artifact_form(art) or "auto") if form == "auto" else form
+            )
+            recs = eval_records(split, shots=shots, langs=lang_list, form=form)
+            records = an.sample(recs, sample, seed=seed)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
+    max_tokens = _max_tokens(max_tokens, form)
     mdl, tok = load_model(model_dir, device=device, dtype=dtype)
     n_layers = len(decoder_layers(mdl))
     cfg = an.LensConfig(
@@ -656,7 +758,7 @@ def analyze(
     cfg.blocks(n_layers)  # fail now on a bad window, not after the first arm
     meta: dict = {
         "model": model_dir.name,
-        "dataset": str(dataset) if dataset else f"built-in {split} split, {shots}-shot",
+        "dataset": str(dataset) if dataset else _builtin(split, form, shots),
         "n_items": len(records),
         "sample_per_lang": sample or "all",
         "sample_seed": seed,
@@ -681,6 +783,11 @@ def analyze(
             f"recall {f['recall']} / conversion {f['conversion']}"
         )
     typer.echo(f"wrote {out}/report.json, report.md, lens_*.png, failures.png")
+
+
+def _builtin(split: str, form: str, shots: int | None) -> str:
+    n = shots if shots is not None else 3 if form == "completion" else 0
+    return f"built-in {split} split, {form} form, {n}-shot"
 
 
 def _facts_langs() -> tuple[str, ...]:

@@ -5,8 +5,9 @@ in the middle layers and converted into the query language late. For every promp
 project the residual stream at the last prompt token through the final norm and unembedding
 (softcapping included) at the embeddings and after every block, and follow the rank and
 probability of the *first token* of the English answer and of the query-language answer, as the
-model would emit it after the prompt (the separator included: " Paris", or "巴黎" after "："). A
-wrong non-English greedy answer is a **conversion failure** when the English answer reached
+model would emit it after the prompt (the separator included: " Paris", or "巴黎" after "："; for a
+chat, the first token of the reply), and of the Chinese answer where the record has one (the
+other likely pivot of a multilingual model). A wrong non-English greedy answer is a **conversion failure** when the English answer reached
 rank <= ``threshold`` somewhere in the layer ``window``, else a **recall failure**. The same runs
 with the artifact's interventions (transformers hooks, positions respected) show what each moves.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from steerserve.chat import reply_separator
 from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT
 from steerserve.research.arms import UNSTEERED, arm_entries, arm_vectors, check_arms
 from steerserve.research.facts import ANSWER_SEP
@@ -31,8 +33,9 @@ from steerserve.research.hf import (
     last_token_outputs,
     left_padded,
 )
+from steerserve.research.records import encode, record_prompt
 from steerserve.research.reference import steering_hooks
-from steerserve.research.scoring import score
+from steerserve.research.scoring import score_record
 
 CLASSES: tuple[str, ...] = ("correct", "conversion", "recall", "unknown")
 
@@ -70,32 +73,39 @@ class Item:
     tgt_prob: np.ndarray
     shared_first_token: bool
     cls: str = "correct"
+    zh_rank: np.ndarray | None = None  # the Chinese answer's, when the record has one
+    zh_prob: np.ndarray | None = None
+    chinese: bool = False  # answered in Chinese (scoring.RULES)
 
 
 # --- tokens and ranks -------------------------------------------------------------------------
 
 
-def answer_sep(record: Mapping[str, Any]) -> str:
-    """What follows the prompt before the answer: the record's ``sep``, else the fact set's."""
+def answer_sep(record: Mapping[str, Any], tokenizer: Any = None) -> str:
+    """What follows the prompt before the answer: the record's ``sep``, else for a chat what
+    follows the rendered chat (:func:`steerserve.chat.reply_separator`), else the fact set's."""
     if "sep" in record:
         return str(record["sep"])
+    if "messages" in record:
+        return reply_separator(tokenizer)
     if record["prompt"][-1:].isspace():
         return ""
     return ANSWER_SEP.get(record["lang"], " ")
 
 
-def first_tokens(tokenizer: Any, prompt: str, sep: str, answers: Sequence[str]) -> list[int]:
+def first_tokens(tokenizer: Any, prompt: str | None, sep: str, answers: Sequence[str]) -> list[int]:
     """The first token the model would emit for each answer after ``prompt`` (deduplicated).
 
     The answer is tokenised in context (prompt + sep + answer) so the separator merges as in
-    generation; a first token that is only whitespace ("▁" before a rare word) says nothing about
-    the answer and is dropped.
+    generation; ``prompt`` None (a chat, whose reply starts after the template's assistant
+    header, where no merge crosses) tokenises ``sep + answer`` alone. A first token that is only
+    whitespace ("▁" before a rare word) says nothing about the answer and is dropped.
     """
-    p_ids = tokenizer(prompt)["input_ids"]
+    p_ids = tokenizer(prompt)["input_ids"] if prompt is not None else None
     out: list[int] = []
     for a in answers:
-        full = tokenizer(prompt + sep + a)["input_ids"]
-        if full[: len(p_ids)] == p_ids and len(full) > len(p_ids):
+        full = tokenizer(prompt + sep + a)["input_ids"] if p_ids is not None else []
+        if p_ids is not None and full[: len(p_ids)] == p_ids and len(full) > len(p_ids):
             t = full[len(p_ids)]
         else:  # the tokenizer merged across the boundary: the continuation alone
             cont = tokenizer(sep + a, add_special_tokens=False)["input_ids"]
@@ -153,15 +163,17 @@ def classify(correct: bool, en_rank: np.ndarray, lo: int, hi: int, threshold: in
 def lens_and_greedy(
     model: Any,
     tokenizer: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     max_tokens: int,
     entries: Sequence[Any] = (),
     vectors: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
     """Last-prompt-token residuals ``[B, L + 1, H]`` (embeddings, then each block's output,
-    steering included) and the greedy continuations (KV cache, stopped at a newline)."""
+    steering included) and the greedy continuations (KV cache, stopped at a newline); prompts
+    are text or token ids."""
     dev = device_of(model)
-    batch = left_padded([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id)
+    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+    batch = left_padded(ids, tokenizer.pad_token_id)
     b = len(prompts)
     phases = torch.full(batch.ids.shape, PHASE_PROMPT)
     phases[:, -1] = PHASE_LAST_PROMPT
@@ -219,30 +231,41 @@ def analyze_arm(
     head = lens_head(model)
     n_layers = len(decoder_layers(model))
     lo, hi = cfg.blocks(n_layers)
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]))
+    ids = [encode(tokenizer, record_prompt(r)) for r in records]
+    order = sorted(range(len(records)), key=lambda i: len(ids[i]))
     items: dict[int, Item] = {}
     for s in range(0, len(order), cfg.batch_size):
         idx = order[s : s + cfg.batch_size]
-        prompts = [records[i]["prompt"] for i in idx]
+        prompts = [ids[i] for i in idx]
         hidden, texts = lens_and_greedy(model, tokenizer, prompts, cfg.max_tokens, entries, vectors)
         for r, i in enumerate(idx):
-            rec = records[i]
             logits = head(hidden[r].to(device_of(model))).cpu()
-            sep = answer_sep(rec)
-            en_t = first_tokens(tokenizer, rec["prompt"], sep, rec.get("answers_en") or [])
-            tg_t = first_tokens(tokenizer, rec["prompt"], sep, rec["answers"])
-            en_r, en_p = best_rank(logits, en_t)
-            tg_r, tg_p = best_rank(logits, tg_t)
-            sc = score(texts[r], rec["answers"], rec.get("answers_en", ()))
-            it = Item(
-                rec["id"], rec["lang"], texts[r].split("\n", 1)[0].strip(), sc.correct,
-                sc.english, sc.recall_any, en_r, tg_r, en_p, tg_p, bool(set(en_t) & set(tg_t)),
-            )  # fmt: skip
-            it.cls = classify(sc.correct, en_r, lo, hi, cfg.threshold)
-            items[i] = it
+            items[i] = _item(tokenizer, records[i], logits, texts[r])
+            items[i].cls = classify(items[i].correct, items[i].en_rank, lo, hi, cfg.threshold)
         if progress:
             progress(len(idx))
     return [items[i] for i in range(len(records))]
+
+
+def _item(tokenizer: Any, rec: Mapping[str, Any], logits: torch.Tensor, reply: str) -> Item:
+    """One record's lens ranks (English, target, Chinese answers) and scored greedy reply."""
+    sep = answer_sep(rec, tokenizer)
+    text = rec.get("prompt")  # None for a chat: its reply starts a fresh word
+
+    def ranks(answers: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        toks = first_tokens(tokenizer, text, sep, answers)
+        return (*best_rank(logits, toks), toks)
+
+    en_r, en_p, en_t = ranks(rec.get("answers_en") or [])
+    tg_r, tg_p, tg_t = ranks(rec["answers"])
+    sc = score_record(rec, reply)
+    it = Item(
+        rec["id"], rec["lang"], reply.split("\n", 1)[0].strip(), sc.correct, sc.english,
+        sc.recall_any, en_r, tg_r, en_p, tg_p, bool(set(en_t) & set(tg_t)), chinese=sc.chinese,
+    )  # fmt: skip
+    if rec.get("answers_zh"):
+        it.zh_rank, it.zh_prob, _ = ranks(rec["answers_zh"])
+    return it
 
 
 def run(

@@ -31,11 +31,15 @@ def plot_lens(rep: Mapping[str, Any], arm: str, path: Any) -> None:
     """Median rank by layer, one line per language: English answer (left), target (right)."""
     plt = R.pyplot()
     per = rep["arms"][arm]["per_language"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    panels = [("median_rank_en", "English answer"), ("median_rank_target", "target answer")]
+    if any(s.get("median_rank_zh") for s in per.values()):
+        panels.append(("median_rank_zh", "Chinese answer"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.8), sharey=True)
     cmap = plt.get_cmap("tab20")
-    panels = (("median_rank_en", "English answer"), ("median_rank_target", "target answer"))
     for ax, (key, title) in zip(axes, panels, strict=True):
         for j, (g, s) in enumerate(per.items()):
+            if not s.get(key):
+                continue
             ys = [np.nan if v is None else v for v in s[key]]
             ax.plot(_xs(rep), ys, marker=".", lw=2.2 if g == "en" else 1.3, color=cmap(j), label=g)
         ax.set_yscale("log")
@@ -48,7 +52,7 @@ def plot_lens(rep: Mapping[str, Any], arm: str, path: Any) -> None:
         ax.grid(alpha=0.3, which="both", lw=0.4)
     axes[0].invert_yaxis()  # rank 1 at the top (shared y axis)
     axes[0].set_ylabel("median rank (log, 1 = top)")
-    axes[1].legend(fontsize=8, ncol=2, loc="lower left")
+    axes[-1].legend(fontsize=8, ncol=2, loc="lower left")
     fig.suptitle(f"logit lens at the last prompt token, arm '{arm}' (shaded: failure window)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -48,6 +48,19 @@ def _above(items: Sequence[Item]) -> list[float | None]:
     return np.mean([e < t for e, t in rows], 0).tolist()
 
 
+def _zh_above(items: Sequence[Item], other: str) -> list[float | None]:
+    """Per lens point, the share of items whose Chinese answer outranks the ``other`` answer
+    (``en`` or ``target``), over items whose two first tokens differ."""
+    rows = []
+    for it in items:
+        o = it.en_rank if other == "en" else it.tgt_rank
+        z = it.zh_rank
+        if z is None or np.isnan(z).all() or np.isnan(o).all() or np.array_equal(z, o):
+            continue
+        rows.append(z < o)
+    return np.mean(rows, 0).tolist() if rows else []
+
+
 def first_layer(ranks: np.ndarray, threshold: int) -> int | None:
     """First block whose output ranks the token <= threshold (-1: the embeddings)."""
     hit = np.nonzero(ranks <= threshold)[0]
@@ -76,6 +89,10 @@ def summarise(items: Sequence[Item], threshold: int) -> dict[str, Any]:
         "mean_prob_en": np.mean([it.en_prob for it in items], 0).tolist() if n else [],
         "mean_prob_target": np.mean([it.tgt_prob for it in items], 0).tolist() if n else [],
         "en_above_target_share": _above([it for it in items if not it.shared_first_token]),
+        "chinese_rate": sum(it.chinese for it in items) / n if n else 0.0,
+        "median_rank_zh": _nanmedian([it.zh_rank for it in items if it.zh_rank is not None]),
+        "zh_above_en_share": _zh_above(items, "en"),
+        "zh_above_target_share": _zh_above(items, "target"),
         "en_formed_share": len(en_first_ok) / n if n else 0.0,
         "en_first_layer_median": float(np.median(en_first_ok)) if en_first_ok else None,
         "failures": {
@@ -131,12 +148,18 @@ def build_report(
                 "shared_first_token": it.shared_first_token,
                 "en_rank": [None if math.isnan(x) else int(x) for x in it.en_rank],
                 "target_rank": [None if math.isnan(x) else int(x) for x in it.tgt_rank],
+                "chinese": it.chinese,
+                "zh_rank": None
+                if it.zh_rank is None
+                else [None if math.isnan(x) else int(x) for x in it.zh_rank],
             }
             for it in items
         ]
         arms[arm] = a
+    base = results.get(UNSTEERED) or next(iter(results.values()), [])
     return {
         **meta,
+        "pivot": pivot(base, num_layers),
         "num_layers": num_layers,
         "lens_points": ["emb"] + [str(i) for i in range(num_layers)],
         "threshold": cfg.threshold,
@@ -145,6 +168,46 @@ def build_report(
         "reference_split": REFERENCE_SPLIT,
         "arms": arms,
     }
+
+
+def pivot_window(num_layers: int) -> tuple[int, int]:
+    """The blocks read for the pivot: the middle of the stack, from a third of the depth up to
+    the block before the last (where the output language takes over)."""
+    return num_layers // 3, num_layers - 2
+
+
+def pivot(items: Sequence[Item], num_layers: int) -> dict[str, Any]:
+    """Per query language: is the English or the Chinese answer ahead in the middle blocks?
+
+    Over :func:`pivot_window`, the mean of the per-block shares of items whose Chinese answer
+    outranks the English one (first tokens differing), and the medians of each answer's rank.
+    ``pivot`` is ``zh`` when that mean exceeds one half, ``en`` when below."""
+    lo, hi = pivot_window(num_layers)
+    out: dict[str, Any] = {"window": [lo, hi], "per_language": {}}
+    for g in dict.fromkeys(it.lang for it in items):
+        grp = [it for it in items if it.lang == g]
+        share = _zh_above(grp, "en")
+        if not share:
+            continue
+        w = slice(lo + 1, hi + 2)  # lens index = block + 1
+        zh = [it.zh_rank[w] for it in grp if it.zh_rank is not None]
+        med = {
+            k: float(np.nanmedian(np.stack(v))) if v and not np.isnan(np.stack(v)).all() else None
+            for k, v in (
+                ("median_rank_en", [it.en_rank[w] for it in grp]),
+                ("median_rank_zh", zh),
+                ("median_rank_target", [it.tgt_rank[w] for it in grp]),
+            )
+        }
+        m = float(np.mean(share[w]))
+        n = sum(it.zh_rank is not None and not np.array_equal(it.zh_rank, it.en_rank) for it in grp)
+        out["per_language"][g] = {
+            "n": n,
+            "zh_above_en_share": m,
+            **med,
+            "pivot": "zh" if m > 0.5 else "en" if m < 0.5 else "tie",
+        }
+    return out
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -231,6 +294,19 @@ def findings(rep: Mapping[str, Any]) -> list[str]:
             f"{f['answered_in_english']} of the conversion failures were answered in English; "
             f"{f['unknown']} unclassifiable."
         )
+    pv = rep.get("pivot") or {}
+    if pv.get("per_language"):
+        lo, hi = pv["window"]
+        parts = [
+            f"{g} {p['pivot']} ({R.pct(p['zh_above_en_share'])} %)"
+            for g, p in pv["per_language"].items()
+            if g not in ("en", "zh")
+        ]
+        out.append(
+            f"- Pivot in blocks {lo}..{hi} (share of items whose Chinese answer outranks the "
+            f"English one): {', '.join(parts)}; answered in Chinese: "
+            f"{R.pct(ne['chinese_rate'])} % of non-English items."
+        )
     for a, r in arms.items():
         if a == base:
             continue
@@ -255,7 +331,7 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         if k in rep:
             L.append(f"- **{k}**: `{json.dumps(rep[k], ensure_ascii=False)}`")
     L += _how_to_read(rep) + ["", "## Findings (computed)", "", *findings(rep)]
-    L += _lens_table(rep) + _per_language(rep) + _failures(rep) + _steering(rep)
+    L += _lens_table(rep) + _per_language(rep) + _pivot(rep) + _failures(rep) + _steering(rep)
     L += ["", "## Figures", ""]
     L += [f"![lens {a}](lens_{a}.png)" for a in arms]
     L += ["![lens by arm](lens_arms.png)", "![failures](failures.png)", ""]
@@ -326,6 +402,47 @@ def _per_language(rep: Mapping[str, Any]) -> list[str]:
             f"| {g} | {s['n']} | " + " | ".join(cells) + f" | {'–' if fl is None else fl} | "
             f"{R.pct(s['en_formed_share'])} % | {R.pct(s['shared_first_token'])} % |"
         )
+    return L
+
+
+def _pivot(rep: Mapping[str, Any]) -> list[str]:
+    pv = rep.get("pivot") or {}
+    if not pv.get("per_language"):
+        return []
+    lo, hi = pv["window"]
+    base = base_arm(rep["arms"])
+    L = [
+        *_heading(f"Pivot language, arm `{base}`: English or Chinese in blocks {lo}..{hi}?"),
+        "*zh > en*: mean over the blocks of the share of items whose Chinese answer's first token "
+        "outranks the English answer's (items whose two first tokens differ); median ranks over "
+        "items and blocks. For zh queries the Chinese answer is the target.",
+        "",
+        "| lang | n | zh > en | median rank en | median rank zh | median rank target | pivot |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g, p in pv["per_language"].items():
+        L.append(
+            f"| {g} | {p['n']} | {R.pct(p['zh_above_en_share'])} % | {_rk(p['median_rank_en'])} "
+            f"| {_rk(p['median_rank_zh'])} | {_rk(p['median_rank_target'])} | {p['pivot']} |"
+        )
+    per = rep["arms"][base]["per_language"]
+    shown = sorted({lo, (lo + hi) // 2, hi, rep["num_layers"] - 1})
+    L += [
+        "",
+        "Median rank English / Chinese / target answer at selected blocks:",
+        "",
+        "| lang | " + " | ".join(f"block {b}" for b in shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    for g, s in per.items():
+        if not s.get("median_rank_zh"):
+            continue
+        cells = [
+            f"{_rk(s['median_rank_en'][b + 1])} / {_rk(s['median_rank_zh'][b + 1])} / "
+            f"{_rk(s['median_rank_target'][b + 1])}"
+            for b in shown
+        ]
+        L.append(f"| {g} | " + " | ".join(cells) + " |")
     return L
 
 

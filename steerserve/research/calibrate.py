@@ -23,9 +23,9 @@ from typing import Any
 from steerserve.engine.spec import SteeringEntry
 from steerserve.research import report as R
 from steerserve.research.arms import UNSTEERED
-from steerserve.research.evaluate import generate
+from steerserve.research.evaluate import generate, record_prompts
 from steerserve.research.extract import NORM_KEY, Candidates, unit_scaled
-from steerserve.research.scoring import by_lang, lang_mean, non_english, score_all
+from steerserve.research.scoring import by_lang, lang_mean, non_english, rules, score_all
 
 #: Where the vectors are tried, as fractions of the depth: recall in the middle of the stack,
 #: translation late (on an 18-block model blocks 4, 6, 8, 10 and 12, 14, 15, 16).
@@ -102,6 +102,7 @@ class Row:
     en: float = 0.0
     english_rate: float = 0.0
     recall_any: float = 0.0
+    chinese_rate: float = 0.0
     per_lang: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -116,6 +117,7 @@ class Row:
             en=round(self.en, 4),
             english_rate=round(self.english_rate, 4),
             recall_any=round(self.recall_any, 4),
+            chinese_rate=round(self.chinese_rate, 4),
             per_lang={k: round(v, 4) for k, v in self.per_lang.items()},
             seconds=round(self.seconds, 1),
         )
@@ -131,7 +133,7 @@ def run_config(
 ) -> tuple[list[str], float]:
     """Greedy answers of every record under one steering config, and the seconds it took."""
     t0 = time.perf_counter()
-    prompts = [r["prompt"] for r in records]
+    prompts = record_prompts(engine, records)
     texts = generate(
         engine, prompts, [entries] * len(prompts), max_tokens, share_prefix=share_prefix
     )
@@ -145,6 +147,7 @@ def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:
     row.non_en = lang_mean(non_english(acc))
     row.english_rate = lang_mean(non_english(by_lang(records, r.english)))
     row.recall_any = lang_mean(non_english(by_lang(records, r.recall_any)))
+    row.chinese_rate = lang_mean(non_english(by_lang(records, r.chinese)))
     row.en = row.per_lang.get("en", 0.0)
     return row
 
@@ -185,8 +188,8 @@ class Sweep:
         self.seen[key] = row
         self.log(
             f"[{stage}] R={_fmt(recall)} T={_fmt(translation)}: non-en {row.non_en:.3f} "
-            f"en {row.en:.3f} en-rate {row.english_rate:.3f} any {row.recall_any:.3f} "
-            f"({secs:.0f}s)"
+            f"en {row.en:.3f} en-rate {row.english_rate:.3f} zh-rate {row.chinese_rate:.3f} "
+            f"any {row.recall_any:.3f} ({secs:.0f}s)"
         )
         return row
 
@@ -254,6 +257,7 @@ def calibrate(
         )
     both_rows = [r for r in sw.rows if r.recall is not None and r.translation is not None]
     winner = (best(both_rows, base, grid.max_en_drop) or [cur])[0]
+    chat = any("messages" in r for r in records)
     return {
         "objective": (
             f"max mean non-English accuracy s.t. English accuracy >= {UNSTEERED} - "
@@ -265,6 +269,7 @@ def calibrate(
         "grid": dataclasses.asdict(grid),
         "n_items": len(records),
         "n_per_lang": {k: sum(r["lang"] == k for r in records) for k in winner.per_lang},
+        "scoring": {"form": "chat" if chat else "completion", **rules(chat)},
         "scale_unit": "multiples of the layer's mean last-token residual norm (zero-shot prompts)",
         "seconds": round(time.perf_counter() - t0, 1),
         "sweep": [r.as_dict() for r in sw.rows],
@@ -323,18 +328,36 @@ def build_artifact(
 
 
 def calib_records(
-    per_lang: int = 10, en_items: int = 30, shots: int = 3, part: tuple[int, int] = (0, 1)
+    per_lang: int = 10,
+    en_items: int = 30,
+    shots: int | None = None,
+    part: tuple[int, int] = (0, 1),
+    form: str = "completion",
 ) -> list[dict]:
     """Calibration-split items: ``per_lang`` per non-English language, more English (the guard
     on English needs more than a handful of items to mean anything), from ``part`` of each
     language's facts (see ``facts.eval_records``; the sweep and its held-out check use
-    ``(0, 2)`` and ``(1, 2)``)."""
+    ``(0, 2)`` and ``(1, 2)``), in ``form`` (completion: ``shots`` default 3; chat: 0)."""
     from steerserve.research.facts import LANGS, eval_records
 
-    kw = dict(split="calib", shots=shots, part=part)
+    kw = dict(split="calib", shots=shots, part=part, form=form)
     out = eval_records(langs=["en"], limit_per_lang=en_items, **kw)
     non_en = [lang for lang in LANGS if lang != "en"]
     return out + eval_records(langs=non_en, limit_per_lang=per_lang, **kw)
+
+
+def split_records(records: Sequence[dict], holdout: bool) -> tuple[list[dict], list[dict]]:
+    """A given dataset as (sweep, held-out check) records: every other record of each
+    language, so both halves have every language (without ``holdout``: all, none)."""
+    if not holdout:
+        return list(records), []
+    seen: dict[str, int] = {}
+    halves: tuple[list[dict], list[dict]] = ([], [])
+    for r in records:
+        k = seen.get(r["lang"], 0)
+        halves[k % 2].append(r)
+        seen[r["lang"]] = k + 1
+    return halves
 
 
 def confirm(
@@ -389,16 +412,19 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
             f"{h[UNSTEERED]['non_en']:.3f} -> {h['chosen']['non_en']:.3f}, English "
             f"{h[UNSTEERED]['en']:.3f} -> {h['chosen']['en']:.3f} (confirms: {h['confirms']})"
         )
+    if sc := result.get("scoring"):
+        lines.append(f"- scoring ({sc['form']} records): correct = {sc['correct']}")
     lines += [
         "",
-        "| stage | recall | translation | non-en acc | en acc | en-rate | recall-any | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| stage | recall | translation | non-en acc | en acc | en-rate | zh-rate | recall-any "
+        "| s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["sweep"]:
         lines.append(
             f"| {r['stage']} | {_fmt_d(r['recall'])} | {_fmt_d(r['translation'])} | "
             f"{r['non_en']:.3f} | {r['en']:.3f} | {r['english_rate']:.3f} | "
-            f"{r['recall_any']:.3f} | {r['seconds']:.0f} |"
+            f"{r.get('chinese_rate', 0):.3f} | {r['recall_any']:.3f} | {r['seconds']:.0f} |"
         )
     return R.write(out_dir, clean, "\n".join(lines) + "\n", stem="calibration")
 

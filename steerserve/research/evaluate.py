@@ -29,6 +29,7 @@ from steerserve.research.scoring import (
     lang_mean,
     non_english,
     paired_bootstrap,
+    rules,
     score_all,
     wilson,
 )
@@ -46,9 +47,18 @@ def register_artifact(engine: Any, artifact: Any) -> None:
             engine.register_vector(name, t)
 
 
+def record_prompts(engine: Any, records: Sequence[dict]) -> list[str | list[int]]:
+    """The engine's prompts for ``records``: chat messages rendered with the engine's tokenizer
+    exactly as the server renders them (``steerserve.chat.chat_ids``), completion text as is."""
+    from steerserve.research.records import engine_prompts
+
+    needs_tok = any("messages" in r for r in records)
+    return engine_prompts(engine.llm.get_tokenizer() if needs_tok else None, records)
+
+
 def generate(
     engine: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[str | Sequence[int]],
     steering: Sequence[Entries],
     max_tokens: int = 8,
     chunk: int = 256,
@@ -84,6 +94,7 @@ def build_report(
         corr = by_lang(records, r.correct)
         eng = by_lang(records, r.english)
         rany = by_lang(records, r.recall_any)
+        zh = by_lang(records, r.chinese) if r.chinese else None
         per = {}
         for lang, v in corr.items():
             n, k = len(v), int(sum(v))
@@ -93,6 +104,7 @@ def build_report(
                 "accuracy": k / n,
                 "ci95": [lo, hi],
                 "english_rate": sum(eng[lang]) / n if lang != "en" else 0.0,
+                "chinese_rate": sum(zh[lang]) / n if zh and lang != "zh" else 0.0,
                 "recall_any": sum(rany[lang]) / n,
             }
         ne = non_english(corr)
@@ -102,6 +114,7 @@ def build_report(
             "non_english_mean_ci95": list(bootstrap_mean(ne)) if ne else [0.0, 0.0],
             "non_english_recall_any_mean": lang_mean(non_english(rany)),
             "non_english_english_rate_mean": lang_mean(non_english(eng)),
+            "non_english_chinese_rate_mean": lang_mean(non_english(zh)) if zh else 0.0,
         }
         if base is not None and arm != UNSTEERED and ne:
             a[f"vs_{UNSTEERED}"] = paired_bootstrap(ne, non_english(by_lang(records, base.correct)))
@@ -112,7 +125,9 @@ def build_report(
             ne_r = non_english(by_lang(records, results[ctl].correct))
             if ne_b:
                 arms[COMBINED][f"vs_{ctl}"] = paired_bootstrap(ne_b, ne_r)
-    return {"arms": arms, "acceptance": acceptance(arms), **meta}
+    chat = any("messages" in r for r in records)
+    scoring = {"form": "chat" if chat else "completion", **rules(chat)}
+    return {"arms": arms, "acceptance": acceptance(arms), "scoring": scoring, **meta}
 
 
 def acceptance(arms: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,6 +166,8 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     for k in ("model", "artifact", "dataset", "n_items", "interventions", "timings_s"):
         if k in report:
             lines.append(f"- **{k}**: `{json.dumps(report[k], ensure_ascii=False)}`")
+    if sc := report.get("scoring"):
+        lines.append(f"- **scoring** ({sc['form']} records): correct = {sc['correct']}")
     lines += ["", "## Accuracy in the query language (%, Wilson 95 % CI)", ""]
     lines.append("| lang | n | " + " | ".join(names) + " |")
     lines.append("|---|---|" + "---|" * len(names))
@@ -174,6 +191,18 @@ def report_markdown(report: Mapping[str, Any]) -> str:
             continue
         cells = [R.pct(arms[a]["per_language"][lang]["english_rate"]) for a in names]
         lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    if sc:
+        lines += ["", f"English: {sc['english']}."]
+    lines += ["", "## Answered in Chinese instead of the query language (%)", ""]
+    lines.append("| lang | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    for lang in langs:
+        if lang == "zh":
+            continue
+        cells = [R.pct(arms[a]["per_language"][lang].get("chinese_rate")) for a in names]
+        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    if sc:
+        lines += ["", f"Chinese: {sc['chinese']}."]
     lines += ["", "## Recall-any: correct in the query language or in English (%)", ""]
     lines.append("| lang | " + " | ".join(names) + " |")
     lines.append("|---|" + "---|" * len(names))
@@ -267,7 +296,7 @@ def evaluate(
     with tqdm(total=len(records) * len(arms), desc="eval", unit="prompt") as bar:
         for i in range(0, len(records), chunk):
             part = records[i : i + chunk]
-            prompts = [r["prompt"] for r in part]
+            prompts = record_prompts(engine, part)
             for arm in arms:
                 t0 = time.perf_counter()
                 texts = generate(engine, prompts, [entries[arm]] * len(prompts), max_tokens)

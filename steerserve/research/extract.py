@@ -10,6 +10,13 @@ of block L, captured by forward hooks so it is exactly what the engine steers: t
 - the translation difference vector: mean over explicit translation prompts ("English: Paris →
   French:") minus mean over factual-recall prompts in the same languages, pooled over languages.
 
+Prompts come in the model's form: ``completion`` (few-shot text, as above) or ``chat`` (the same
+construction as chats, ``facts.chat``: the instruction as system message, each demonstration an
+earlier user/assistant turn, the query the last user turn; the state is read at the last token
+of the rendered chat, where the reply starts). The zero-shot chat is exactly what chat
+evaluation and the server send, so a ``diff`` vector is "what demonstrations add" at the very
+position it will be added.
+
 Everything is deterministic: fixed fact order, fixed seeds, no sampling.
 """
 
@@ -36,6 +43,7 @@ from steerserve.research.facts import (
     shots_for,
 )
 from steerserve.research.hf import decoder_layers, device_of, last_token_outputs, left_padded
+from steerserve.research.records import Prompt, encode
 
 #: English names of the fact-set languages, for translation prompts.
 LANG_NAMES: dict[str, str] = {
@@ -59,6 +67,7 @@ class ExtractConfig:
     batch_size: int = 16
     langs: tuple[str, ...] = LANGS
     relations: tuple[str, ...] = RELATIONS
+    form: str = "completion"  # or "chat" (instruction-tuned models)
 
 
 @dataclass
@@ -146,21 +155,63 @@ def translation_prompts(facts: Sequence[Fact], k: int, seed: int) -> list[str]:
     return out
 
 
-def prompt_groups(cfg: ExtractConfig) -> dict[str, list[str]]:
-    """Every prompt group whose mean is needed; names are stable keys of the sidecar."""
-    tf = train_facts(cfg)
+def translation_chat(fact: Fact, k: int, seed: int) -> list[dict[str, str]]:
+    """The chat form of :func:`translation_prompts`: the query language's instruction as system
+    message, ``k`` "Translate into <language>: X" turns answered, then the fact's."""
+    from steerserve.research.facts.chat import INSTRUCTION
+
+    def ask(word: str) -> dict[str, str]:
+        return {"role": "user", "content": f"Translate into {LANG_NAMES[fact.lang]}: {word}"}
+
+    out = [{"role": "system", "content": INSTRUCTION[fact.lang]}]
+    for s in shots_for(fact, k, seed):
+        out += [ask(s.answers_en[0]), {"role": "assistant", "content": s.answers[0]}]
+    return out + [ask(fact.answers_en[0])]
+
+
+def _chat_groups(cfg: ExtractConfig, tf: dict[str, list[Fact]]) -> dict[str, list[Prompt]]:
+    from steerserve.research.facts.chat import messages
+
     non_en = [f for lang in cfg.langs if lang != "en" for f in tf[lang]]
     every = [f for lang in cfg.langs for f in tf[lang]]
     en = tf.get("en", [])
     k, s = cfg.recall_shots, cfg.seed
-    groups = {
+
+    def mixed(f: Fact) -> list[dict[str, str]]:
+        twins = {d.fact_id: _english_twin(d) or d for d in shots_for(f, k, s)}
+        return messages(f, k, s, demos_from=twins)
+
+    return {
+        "zero.native": [messages(f) for f in every],
+        "fewshot.native": [messages(f, k, s) for f in every],
+        "zero.en": [messages(f) for f in en],
+        "fewshot.en": [messages(f, k, s) for f in en],
+        "fewshot.mixed": [mixed(f) for f in non_en],
+        "zero.non_en": [messages(f) for f in non_en],
+        "translation": [translation_chat(f, cfg.translation_shots, s) for f in non_en],
+        "recall.non_en": [messages(f, cfg.translation_shots, s) for f in non_en],
+    }
+
+
+def prompt_groups(cfg: ExtractConfig) -> dict[str, list[Prompt]]:
+    """Every prompt group whose mean is needed; names are stable keys of the sidecar."""
+    tf = train_facts(cfg)
+    if cfg.form == "chat":
+        return {k_: v for k_, v in _chat_groups(cfg, tf).items() if v}
+    if cfg.form != "completion":
+        raise ValueError(f"unknown form {cfg.form!r}; known: completion, chat")
+    non_en = [f for lang in cfg.langs if lang != "en" for f in tf[lang]]
+    every = [f for lang in cfg.langs for f in tf[lang]]
+    en = tf.get("en", [])
+    k, s = cfg.recall_shots, cfg.seed
+    groups: dict[str, list[Prompt]] = {
         "zero.native": [query(f) for f in every],
         "fewshot.native": [prompt(f, k, s) for f in every],
         "zero.en": [query(f) for f in en],
         "fewshot.en": [prompt(f, k, s) for f in en],
         "fewshot.mixed": [mixed_prompt(f, k, s) for f in non_en],
         "zero.non_en": [query(f) for f in non_en],
-        "translation": translation_prompts(non_en, cfg.translation_shots, s),
+        "translation": list(translation_prompts(non_en, cfg.translation_shots, s)),
         "recall.non_en": [prompt(f, cfg.translation_shots, s) for f in non_en],
     }
     return {k_: v for k_, v in groups.items() if v}
@@ -173,20 +224,21 @@ def prompt_groups(cfg: ExtractConfig) -> dict[str, list[str]]:
 def last_token_means(
     model: Any,
     tokenizer: Any,
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt],
     batch_size: int = 16,
     desc: str = "extract",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean last-prompt-token output of every block ``[L, H]`` and mean norm ``[L]`` (float32).
 
-    Prompts are length-sorted and left-padded with explicit position ids, so a padded row sees
-    the same positions as alone and results do not depend on the batch composition.
+    Prompts (text, or chat messages rendered as the server renders them) are length-sorted and
+    left-padded with explicit position ids, so a padded row sees the same positions as alone and
+    results do not depend on the batch composition.
     """
     from tqdm import tqdm
 
     layers = decoder_layers(model)
     dev = device_of(model)
-    enc = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    enc = [encode(tokenizer, p) for p in prompts]
     order = sorted(range(len(enc)), key=lambda i: (len(enc[i]), i))
     hidden = model.config.get_text_config().hidden_size
     total = torch.zeros(len(layers), hidden, dtype=torch.float64)
@@ -230,6 +282,7 @@ def extract(model: Any, tokenizer: Any, cfg: ExtractConfig | None = None) -> Can
         "config": {**asdict(cfg), "langs": list(cfg.langs), "relations": list(cfg.relations)},
         "groups": {k: len(v) for k, v in groups.items()},
         "examples": {k: v[0] for k, v in groups.items()},
+        "form": cfg.form,
         "num_layers": int(norm.numel()),
         "hidden_size": int(next(iter(means.values())).shape[-1]),
         "layer_convention": "output of decoder block L (0-based) = hidden_states[L+1]",
@@ -276,5 +329,6 @@ __all__ = [
     "last_token_means",
     "prompt_groups",
     "summary",
+    "translation_chat",
     "unit_scaled",
 ]

@@ -305,3 +305,54 @@ def test_cli_analyze_defaults_to_the_artifact_auto_serves(tiny_gemma: Path, tmp_
     rep = json.loads((tmp_path / "c" / "report.json").read_text())
     assert rep["artifact"] == "tiny/v2"  # the newest version, as the server's default
     assert list(rep["arms"]) == ["unsteered", "recall", "translation", "both"]
+
+
+# --- chat records -----------------------------------------------------------------------------
+
+
+def test_chat_records_rank_the_reply_start_and_the_chinese_answer(tiny) -> None:
+    """A chat's lens point is the last token of the server's rendering; the answers' first
+    tokens are the reply's; the Chinese answer is ranked too, and the pivot reads it."""
+    from steerserve.chat import chat_ids
+
+    model, tok = tiny
+    msgs = [{"role": "system", "content": "名前だけ"}, {"role": "user", "content": "首都？"}]
+    recs = [
+        {"id": f"{i}:{lang}", "lang": lang, "messages": msgs, "answers": [ans],
+         "answers_en": ["Paris"], "answers_zh": ["巴黎"]}
+        for i in range(3) for lang, ans in (("ja", "パリ"), ("en", "Paris"))
+    ]  # fmt: skip
+    cfg = an.LensConfig(threshold=50, max_tokens=2, batch_size=4)
+    items = an.analyze_arm(model, tok, recs, cfg)
+    hidden, texts = an.lens_and_greedy(model, tok, [chat_ids(tok, msgs)], 2)
+    logits = an.lens_head(model)(hidden[0])
+    first = {a: tok(a, add_special_tokens=False)["input_ids"][0] for a in ("パリ", "Paris", "巴黎")}
+    it = items[0]
+    assert np.array_equal(it.tgt_rank, an.best_rank(logits, [first["パリ"]])[0])
+    assert np.array_equal(it.en_rank, an.best_rank(logits, [first["Paris"]])[0])
+    assert np.array_equal(it.zh_rank, an.best_rank(logits, [first["巴黎"]])[0])
+    assert it.answer == texts[0].split("\n")[0].strip()
+    n = len(decoder_layers(model))
+    rep = ar.build_report({"unsteered": items}, cfg, n, {"model": "tiny"})
+    pv = rep["pivot"]["per_language"]["ja"]
+    assert pv["n"] == 3 and pv["pivot"] in ("zh", "en", "tie")
+    lo, hi = ar.pivot_window(n)
+    share = float(np.mean((it.zh_rank < it.en_rank)[lo + 1 : hi + 2]))
+    assert pv["zh_above_en_share"] == pytest.approx(share)  # three identical items
+    assert len(rep["arms"]["unsteered"]["per_language"]["ja"]["median_rank_zh"]) == n + 1
+    assert "## Pivot language" in ar.report_markdown(json.loads(json.dumps(rep)))
+
+
+def test_cli_analyze_chat_form(tiny_gemma: Path, tmp_path: Path) -> None:
+    from steerserve.cli import app
+
+    out = tmp_path / "out"
+    args = ["analyze", "--model", str(tiny_gemma), "--form", "chat", "--langs", "en,ja,ko"]
+    args += ["--sample", "1", "--arms", "unsteered", "--max-tokens", "2", "--out", str(out)]
+    args += ["--vectors-dir", str(tmp_path / "none")]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["dataset"] == "built-in test split, chat form, 0-shot" and rep["n_items"] == 3
+    assert set(rep["pivot"]["per_language"]) <= {"en", "ja", "ko"}
+    assert rep["arms"]["unsteered"]["items"][1]["zh_rank"] is not None

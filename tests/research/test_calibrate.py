@@ -133,3 +133,54 @@ def test_grid_refuses_unknown_positions() -> None:
     with pytest.raises(ValueError, match="positions: \\['last_prompt'\\]; known: all"):
         cal.Grid(positions=("last_prompt_and_generated", "last_prompt"))
     assert cal.Grid.for_layers(28).recall_layers == (6, 9, 12, 16)
+
+
+def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, tmp_path: Path):
+    """Chat records end to end: calibrate on chat records from a file (held-out half: every
+    other record of each language), then eval on the built-in split in the artifact's form."""
+    from typer.testing import CliRunner
+
+    from steerserve.chat import chat_ids
+    from steerserve.cli import app
+    from steerserve.research.evaluate import open_engine, record_prompts
+    from steerserve.research.facts import eval_records
+
+    recs = eval_records("calib", langs=["en", "fr", "ja"], limit_per_lang=2, form="chat")
+    eng = open_engine(tiny_gemma, dtype="float32", kv_cache_bytes=64 << 20)
+    try:  # the engine reads exactly the server's rendering of each chat
+        tok = eng.llm.get_tokenizer()
+        assert record_prompts(eng, recs) == [chat_ids(tok, r["messages"]) for r in recs]
+    finally:
+        eng.shutdown()
+    ds = tmp_path / "chat.jsonl"
+    ds.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    cpath = cands.save(tmp_path / "c.safetensors")
+    out, summary = tmp_path / "vec" / "tiny" / "v1", tmp_path / "summary"
+    common = ["--model", str(tiny_gemma), "--dtype", "float32", "--kv-cache-bytes", str(64 << 20)]
+    args = ["calibrate", "--candidates", str(cpath), "--out", str(out), "--dataset", str(ds)]
+    args += ["--holdout", "1", "--variants", "recall.native.diff", "--recall-layers", "1"]
+    args += ["--recall-scales", "0.5", "--translation-layers", "2", "--translation-scales", "0.5"]
+    args += ["--top-k", "1", "--fine", "", "--summary-dir", str(summary), *common]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    cal_json = json.loads((summary / "calibration.json").read_text())
+    assert cal_json["n_items"] == 3 and cal_json["holdout"]["n_items"] == 3
+    assert cal_json["scoring"]["form"] == "chat" and "chat form" in cal_json["prompts"]
+    assert "<= 12 tokens" in cal_json["prompts"]
+    ev_out = tmp_path / "eval"
+    args = ["eval", "--artifact", str(out), "--out", str(ev_out), "--limit-per-lang", "1"]
+    args += ["--arms", "unsteered,both", *common]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rep = json.loads((ev_out / "report.json").read_text())
+    assert rep["dataset"] == "built-in test split, chat form, 0-shot" and rep["n_items"] == 12
+    assert rep["scoring"]["form"] == "chat"
+    for a in rep["arms"].values():
+        assert {"n", "accuracy", "ci95", "english_rate", "chinese_rate"} <= set(
+            a["per_language"]["ja"]
+        )
+        assert 0 <= a["non_english_mean"] <= 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**recs[0], "messages": [{"role": "bot", "content": "x"}]}) + "\n")
+    res = CliRunner().invoke(app, ["eval", "--dataset", str(bad), "--artifact", str(out), *common])
+    assert res.exit_code != 0 and "capital_of" in res.output and "'bot'" in res.output

@@ -35,7 +35,9 @@ def test_report_schema_and_files(tmp_path: Path) -> None:
     assert set(base["per_language"]["es"]) >= {"n", "accuracy", "ci95", "english_rate"}
     assert base["per_language"]["es"] | {"ci95": None} == {
         "n": 2, "accuracy": 0.5, "ci95": None, "english_rate": 0.5, "recall_any": 1.0,
+        "chinese_rate": 0.0,
     }  # fmt: skip
+    assert rep["scoring"]["form"] == "completion" and "starts with" in rep["scoring"]["correct"]
     assert base["non_english_mean"] == pytest.approx((0.5 + 0.0) / 2)
     assert rep["arms"]["both"]["non_english_mean"] == 1.0
     assert rep["arms"]["random"]["per_language"]["es"]["english_rate"] == 1.0
@@ -45,3 +47,44 @@ def test_report_schema_and_files(tmp_path: Path) -> None:
     assert json.loads((out / "report.json").read_text())["arms"]["both"]["non_english_mean"] == 1
     assert "| es | 2 |" in (out / "report.md").read_text()
     assert (out / "accuracy.png").stat().st_size > 1000
+
+
+def _chat(i: str, lang: str, answers: list[str], en: list[str], zh: list[str]) -> dict:
+    q = [{"role": "system", "content": "name only"}, {"role": "user", "content": "capital?"}]
+    return {"id": i, "lang": lang, "messages": q, "answers": answers, "answers_en": en,
+            "answers_zh": zh}  # fmt: skip
+
+
+def test_chat_report_rates_and_rule(tmp_path: Path) -> None:
+    """Chat records: containment in the first line, English and Chinese reply shares per
+    language, the rule named in the report."""
+    rec = [
+        _chat("1", "ja", ["パリ"], ["Paris"], ["巴黎"]),
+        _chat("2", "ja", ["ローマ"], ["Rome"], ["罗马"]),
+        _chat("3", "ja", ["ベルリン"], ["Berlin"], ["柏林"]),
+        _chat("4", "ja", ["リマ"], ["Lima"], ["利马"]),
+        _chat("5", "ko", ["파리"], ["Paris"], ["巴黎"]),
+        _chat("6", "zh", ["巴黎"], ["Paris"], ["巴黎"]),
+        _chat("7", "en", ["Paris"], ["Paris"], ["巴黎"]),
+    ]
+    texts = [
+        "フランスの首都はパリです。",  # correct: the answer occurs in the reply
+        "罗马",  # Chinese answer
+        "Berlin",  # English
+        "マドリード\nリマ",  # wrong: only the first line counts
+        "北京",  # Chinese script, not the answer: still a Chinese reply
+        "巴黎",
+        "The capital of France is Paris.",
+    ]
+    res = {UNSTEERED: score_all(rec, texts)}
+    rep = ev.build_report(rec, res, {"model": "m"})
+    per = rep["arms"][UNSTEERED]["per_language"]
+    assert per["ja"]["accuracy"] == 0.25 and per["ja"]["n"] == 4
+    assert per["ja"]["english_rate"] == 0.25 and per["ja"]["chinese_rate"] == 0.25
+    assert per["ko"]["chinese_rate"] == 1.0 and per["zh"]["chinese_rate"] == 0.0
+    assert per["zh"]["accuracy"] == per["en"]["accuracy"] == 1.0
+    assert rep["arms"][UNSTEERED]["non_english_mean"] == (0.25 + 0 + 1) / 3
+    assert rep["scoring"]["form"] == "chat" and "contains" in rep["scoring"]["correct"]
+    md = ev.report_markdown(rep)
+    assert "contains a normalised accepted answer" in md
+    assert "## Answered in Chinese instead of the query language" in md

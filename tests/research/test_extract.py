@@ -96,3 +96,41 @@ def test_cli_extract_cpu(tiny_gemma: Path, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     c = Candidates.load(out)
     assert c.meta["device"] == "cpu" and c.tensors["translation"].shape == (4, 64)
+
+
+def test_chat_groups_mirror_the_completion_construction() -> None:
+    from steerserve.research.facts.chat import INSTRUCTION, question
+
+    cfg = ExtractConfig(**{**CFG.__dict__, "form": "chat"})
+    g, c = prompt_groups(cfg), prompt_groups(CFG)
+    assert {k: len(v) for k, v in g.items()} == {k: len(v) for k, v in c.items()}
+    zero, few, mixed = g["zero.native"][2], g["fewshot.native"][2], g["fewshot.mixed"][0]
+    assert [m["role"] for m in zero] == ["system", "user"]
+    assert few[0] == zero[0] and few[-1] == zero[-1]  # same instruction and question
+    assert [m["role"] for m in few[1:-1]] == ["user", "assistant"] * 5
+    fr = load_facts("train", ["fr"])[0]
+    assert mixed[0]["content"] == INSTRUCTION["fr"] and mixed[-1]["content"] == question(fr)
+    assert mixed[1]["content"].startswith("What is the capital of")  # English demonstrations
+    tr = g["translation"][0]
+    assert tr[-1]["content"] == f"Translate into French: {fr.answers_en[0]}"
+    assert [m["role"] for m in tr] == ["system"] + ["user", "assistant"] * 3 + ["user"]
+    assert [m["role"] for m in g["recall.non_en"][0]] == [m["role"] for m in tr]
+
+
+def test_chat_means_are_read_where_the_reply_starts(tiny) -> None:
+    """A chat's state is the last token of the server's rendering of it."""
+    from steerserve.chat import chat_ids
+
+    model, tok = tiny
+    msgs = [{"role": "system", "content": "Name only."}, {"role": "user", "content": "Capital?"}]
+    mean, _ = last_token_means(model, tok, [msgs, "Capital:"], batch_size=2)
+    h = []
+    for ids in (chat_ids(tok, msgs), tok("Capital:")["input_ids"]):
+        with torch.no_grad():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        h.append(hs[2][0, -1].float())
+    torch.testing.assert_close(mean[1], (h[0] + h[1]) / 2, atol=1e-4, rtol=1e-4)
+    c = extract(
+        model, tok, ExtractConfig(per_lang=1, langs=("en", "ja"), batch_size=4, form="chat")
+    )
+    assert c.meta["form"] == "chat" and torch.isfinite(c.tensors["translation"]).all()

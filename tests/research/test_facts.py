@@ -19,6 +19,7 @@ from steerserve.research.facts import (
     query,
     shots_for,
 )
+from steerserve.research.facts import chat as fchat
 
 
 def test_build_is_deterministic_and_committed() -> None:
@@ -168,3 +169,64 @@ def test_fact_is_frozen() -> None:
     assert isinstance(f, Fact)
     with pytest.raises(AttributeError):
         f.subject = "x"  # type: ignore[misc]
+
+
+# --- the chat form ---------------------------------------------------------------------------
+
+
+def test_chat_questions_cover_every_relation_and_language() -> None:
+    for rel in RELATIONS:
+        assert set(fchat.QUESTIONS[rel]) == set(LANGS), rel
+    assert set(fchat.INSTRUCTION) == set(LANGS)
+    for f in load_facts():
+        q = fchat.question(f)
+        assert f.subject in q and "{" not in q and q == q.strip()
+        assert q[-1] in "?？؟", q  # a question, as a user types it
+
+
+@pytest.mark.parametrize(
+    ("fact_id", "lang", "question"),
+    [
+        ("capital_of:FR", "ja", "フランスの首都はどこですか？"),
+        ("capital_of:FR", "en", "What is the capital of France?"),
+        ("capital_of:FR", "zh", "法国的首都是哪里？"),
+        ("capital_of:DE", "es", "¿Cuál es la capital de Alemania?"),
+        ("capital_of:FR", "fr", "France : quelle est la capitale de ce pays ?"),
+        ("language_of:BR", "ru", "Какой официальный язык в стране Бразилия?"),
+        ("city_in:US-New_York", "ko", "뉴욕은 어느 나라에 있나요?"),  # 뉴욕 ends in a consonant
+        ("city_in:US-Chicago", "ko", "시카고는 어느 나라에 있나요?"),  # 시카고 does not
+    ],
+)
+def test_chat_questions_read_natively(fact_id: str, lang: str, question: str) -> None:
+    (f,) = [f for f in load_facts(langs=[lang]) if f.fact_id == fact_id]
+    assert fchat.question(f) == question
+
+
+def test_chat_records_have_the_same_facts_and_splits_as_completion_records() -> None:
+    for split in ("calib", "test"):
+        for part in ((0, 1), (1, 2)):
+            comp = eval_records(split, part=part, limit_per_lang=20)
+            chat = eval_records(split, part=part, limit_per_lang=20, form="chat")
+            assert [r["id"] for r in chat] == [r["id"] for r in comp]
+            for c, r in zip(chat, comp, strict=True):
+                assert c["answers"] == r["answers"] and c["answers_en"] == r["answers_en"]
+    zh = {r["id"].rsplit(":", 1)[0]: r["answers"] for r in eval_records(langs=["zh"])}
+    for r in eval_records(langs=["ja", "en"], form="chat"):
+        assert set(r) == {"id", "lang", "messages", "answers", "answers_en", "answers_zh"}
+        assert r["answers_zh"] == zh[r["id"].rsplit(":", 1)[0]]
+        system, user = r["messages"]  # zero-shot: the instruction and the question
+        assert system == {"role": "system", "content": fchat.INSTRUCTION[r["lang"]]}
+        assert user["role"] == "user" and user["content"].endswith(("?", "？"))
+    with pytest.raises(ValueError, match="unknown form"):
+        eval_records(form="prompt")
+
+
+def test_chat_demonstrations_are_earlier_turns() -> None:
+    (f,) = [f for f in load_facts("test", ["ja"]) if f.fact_id == "capital_of:IT"]
+    msgs = fchat.messages(f, shots=3, seed=0)
+    assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * 3 + ["user"]
+    pairs = zip(msgs[1:-1:2], msgs[2:-1:2], strict=True)
+    for s, (q, a) in zip(shots_for(f, 3, 0), pairs, strict=True):
+        assert q["content"] == fchat.question(s) and a["content"] == s.answers[0]
+    assert msgs[-1]["content"] == fchat.question(f)
+    assert fchat.messages(f) == [msgs[0], msgs[-1]]

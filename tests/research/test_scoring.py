@@ -38,6 +38,43 @@ def test_score_english_rate() -> None:
     assert (s.correct, s.english) == (True, False)
 
 
+def test_chat_rule_is_containment_in_the_first_line() -> None:
+    s = ev.score("La capital de Francia es París.", ["París"], ["Paris"], chat=True, lang="es")
+    assert (s.correct, s.english, s.chinese) == (True, False, False)
+    s = ev.score("**París**", ["París"], ["Paris"], chat=True, lang="es")
+    assert s.correct  # markup is punctuation
+    s = ev.score("Madrid\nParís", ["París"], ["Paris"], chat=True, lang="es")
+    assert not s.correct  # only the first line is the answer
+    s = ev.score("La capitale est Paris.", ["París"], ["Paris"], chat=True, lang="es")
+    assert (s.correct, s.english, s.recall_any) == (False, True, True)
+    # the completion rule stays a prefix match
+    s = ev.score(" La capital es París", ["París"], ["Paris"], lang="es")
+    assert not s.correct
+
+
+def test_reply_language_english_and_chinese() -> None:
+    chat = {"chat": True}
+    # non-Latin query language: a Latin reply is English even without the English gold name
+    s = ev.score("Lima, Peru", ["リマ"], ["Lima"], lang="ja", **chat)
+    assert (s.english, s.chinese) == (True, False)
+    assert ev.score("Limassol", ["リマソル"], ["Limassol"], lang="ja", **chat).english
+    assert ev.score("Bogota", ["Богота"], [], lang="ru", **chat).english
+    # Latin query language: only the English gold name says English
+    assert not ev.score("Lisboa", ["Lisbonne"], ["Lisbon"], lang="fr", **chat).english
+    # Chinese: the fact's Chinese answer, or Han without kana/Hangul
+    s = ev.score("利马", ["リマ"], ["Lima"], lang="ja", answers_zh=["利马"], **chat)
+    assert (s.correct, s.chinese, s.english) == (False, True, False)
+    assert ev.score("北京", ["ペキン"], ["Beijing"], lang="ja", **chat).chinese
+    assert not ev.score("ペキンです", ["ペキン"], ["Beijing"], lang="ja", **chat).chinese
+    assert not ev.score("東京です", ["パリ"], ["Paris"], lang="ja", **chat).chinese  # kana
+    assert not ev.score("東京", ["東京"], ["Tokyo"], lang="ja", **chat).chinese  # correct
+    assert ev.score("首尔", ["서울"], ["Seoul"], lang="ko", **chat).chinese
+    assert not ev.score("서울특별시", ["파리"], ["Paris"], lang="ko", **chat).chinese
+    assert not ev.score("上海", ["北京"], ["Beijing"], lang="zh", **chat).chinese  # zh query
+    assert ev.latin_share("Paris パリ") == pytest.approx(5 / 7)
+    assert ev.looks_chinese("巴黎") and not ev.looks_chinese("パリ市")
+
+
 def test_wilson() -> None:
     lo, hi = ev.wilson(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
@@ -59,6 +96,7 @@ def test_paired_bootstrap_detects_a_real_difference() -> None:
 
 
 def test_read_dataset(tmp_path: Path) -> None:
+    """(Chat records and every bad record: tests/research/test_records.py.)"""
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"id": "a", "lang": "fr", "prompt": "x", "answers": ["y"]}) + "\n\n")
     assert ev.read_dataset(p)[0]["answers_en"] == []

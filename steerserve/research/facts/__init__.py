@@ -24,6 +24,8 @@ LANGS: tuple[str, ...] = ("en", "zh", "ja", "ko", "fr", "es", "de", "it", "ru", 
 RELATIONS: tuple[str, ...] = ("capital_of", "city_in", "language_of", "currency_of")
 PAPER_LANGS: tuple[str, ...] = ("en", "zh", "ja", "ko", "fr", "es")
 SPLITS: tuple[str, ...] = ("train", "calib", "test")
+#: Prompt forms: few-shot text continuation (base models) or a chat (instruction-tuned models).
+FORMS: tuple[str, ...] = ("completion", "chat")
 DATA = Path(__file__).with_name("facts.jsonl")
 
 # What follows the query before the answer ("Capital: Paris", "首都：巴黎").
@@ -184,38 +186,49 @@ def _round_robin(facts: list[Fact], part: tuple[int, int] = (0, 1)) -> list[Fact
 
 def eval_records(
     split: str = "test",
-    shots: int = 3,
+    shots: int | None = None,
     seed: int = 0,
     langs: Iterable[str] | None = None,
     relations: Iterable[str] | None = None,
     limit_per_lang: int | None = None,
     part: tuple[int, int] = (0, 1),
+    form: str = "completion",
 ) -> list[dict]:
     """Evaluation items in the ``eval --dataset`` schema, grouped by language.
 
     Facts of a language are listed with relations interleaved, better-known entities first.
     ``part=(k, n)`` keeps every n-th fact of each relation from the k-th on (``(0, 2)`` and
     ``(1, 2)`` are two disjoint halves alike in relations and familiarity); ``limit_per_lang`` then
-    takes the first N.
+    takes the first N. ``form``: ``completion`` records hold a ``shots``-shot ``prompt`` (default
+    3); ``chat`` records hold ``messages`` (``facts.chat``: zero-shot by default, earlier turns as
+    demonstrations otherwise) and ``answers_zh``, the Chinese answer of the same fact (a likely
+    pivot language), for the same facts and splits.
     """
+    if form not in FORMS:
+        raise ValueError(f"unknown form {form!r}; known: {', '.join(FORMS)}")
+    shots = (3 if form == "completion" else 0) if shots is None else shots
     facts = load_facts(split, langs, relations)
+    zh = {f.fact_id: list(f.answers) for f in load_facts(split, ["zh"], relations)}
     out: list[dict] = []
     for lang in dict.fromkeys(f.lang for f in facts):
         chosen = _round_robin([f for f in facts if f.lang == lang], part)
         for f in chosen if limit_per_lang is None else chosen[:limit_per_lang]:
-            out.append(
-                {
-                    "id": f"{f.fact_id}:{f.lang}",
-                    "lang": f.lang,
-                    "prompt": prompt(f, shots, seed),
-                    "answers": list(f.answers),
-                    "answers_en": list(f.answers_en),
-                }
-            )
+            rec: dict = {"id": f"{f.fact_id}:{f.lang}", "lang": f.lang}
+            if form == "chat":
+                from steerserve.research.facts.chat import messages
+
+                rec["messages"] = messages(f, shots, seed)
+            else:
+                rec["prompt"] = prompt(f, shots, seed)
+            rec |= {"answers": list(f.answers), "answers_en": list(f.answers_en)}
+            if form == "chat":
+                rec["answers_zh"] = zh[f.fact_id]
+            out.append(rec)
     return out
 
 
 __all__ = [
+    "FORMS",
     "LANGS",
     "PAPER_LANGS",
     "RELATIONS",
