@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerserve.research.analyze import answer_sep
+from steerserve.research.analyze import answer_sep, best_rank, classify, first_tokens, lens_head
 from steerserve.research.extract import last_token_means, mixed_prompt
 from steerserve.research.facts import (
     ANSWER_SEP,
@@ -263,12 +263,14 @@ class Runner:
     line, stopped once decided), ``logp`` (sum over the gold answer's tokens, max over aliases)
     and ``logp_tok`` (per-token mean, max over aliases), and the answer ``text``."""
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16) -> None:
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64) -> None:
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.dev = next(model.parameters()).device
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        self.cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         self.hooks = Hooks(model)
         self.num_layers = len(self.hooks.layers)
 
@@ -314,32 +316,52 @@ class Runner:
         """Left-pad the batch and run every column but the last (the KV every edit reuses)."""
         b = left_padded([enc[i][0] for i in idx], self.pad)
         self.hooks.edit, self.hooks.phase = None, "prefix"
-        out = self.model(
+        out = self.decoder(
             input_ids=b.ids[:, :-1].to(self.dev),
             attention_mask=b.mask[:, :-1].to(self.dev),
             position_ids=b.positions[:, :-1].to(self.dev),
             use_cache=True,
-            logits_to_keep=1,
         )
         return _Batch(torch.tensor(idx), b.ids, b.mask, b.positions, out.past_key_values)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
-        return self.model(
+    def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
+        """Final-norm hidden states ``[R, T, H]``; the LM head runs only where it is needed (a
+        262k-row head over every position would dominate a small model)."""
+        return self.decoder(
             input_ids=ids.to(self.dev),
             attention_mask=mask.to(self.dev),
             position_ids=pos.to(self.dev),
             past_key_values=cache,
             use_cache=True,
-        ).logits.float()
+        ).last_hidden_state
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[P, H] -> [P, V]`` float32 logits exactly as the model computes them."""
+        logits = self.head(h).float()
+        return torch.tanh(logits / self.cap) * self.cap if self.cap else logits
+
+    def _forced(self, h: torch.Tensor, tgt: torch.Tensor, chunk: int = 256):
+        """log P of ``tgt`` ``[R, T]`` (-1: padding, 0 there) and the argmax at every position,
+        in chunks of positions (memory stays ``chunk x V``)."""
+        valid = tgt >= 0
+        hv, tv = h[valid.to(h.device)], tgt[valid]
+        lp, am = torch.zeros(len(tv)), torch.zeros(len(tv), dtype=torch.long)
+        for c in range(0, len(tv), chunk):
+            logits = self._logits(hv[c : c + chunk]).cpu()
+            lse = torch.logsumexp(logits, -1)
+            lp[c : c + chunk] = logits.gather(1, tv[c : c + chunk, None])[:, 0] - lse
+            am[c : c + chunk] = logits.argmax(-1)
+        out_lp, out_am = torch.zeros(tgt.shape), torch.full(tgt.shape, -1, dtype=torch.long)
+        out_lp[valid], out_am[valid] = lp, am
+        return out_lp, out_am
 
     def _pass(self, b: _Batch, edit: Edit | None, enc: Sequence, records: Sequence, cap: bool):
         hk = self.hooks
         hk.edit, hk.phase, hk.rows = edit, "last", b.rows
         hk.capture = [None] * self.num_layers if cap else None
         cache = copy.deepcopy(b.cache)
-        lp0 = torch.log_softmax(
-            self._forward(b.ids[:, -1:], b.mask, b.pos[:, -1:], cache)[:, -1], -1
-        )
+        h = self._hidden(b.ids[:, -1:], b.mask, b.pos[:, -1:], cache)[:, -1]
+        lp0 = torch.log_softmax(self._logits(h), -1).cpu()
         hk.phase = "later"
         recs = [records[i] for i in b.rows.tolist()]
         logp, paths = self._teacher_forced(b, cache, lp0, [enc[i][1] for i in b.rows.tolist()])
@@ -377,11 +399,13 @@ class Runner:
             mask = torch.cat([b.mask[sel], m], 1)
             pos = b.pos[sel, -1:] + 1 + torch.arange(t)
             self.hooks.rows = b.rows[sel]
-            lp = torch.log_softmax(self._forward(ids, mask, pos, c), -1).cpu()
+            tgt = torch.full((len(longer), t), -1, dtype=torch.long)
             for r, j in enumerate(longer):
-                tgt = torch.tensor(seqs[j][1:])
-                total[j] += float(lp[r, torch.arange(len(tgt)), tgt].sum())
-                argmax[j] = lp[r, : len(tgt)].argmax(-1).tolist()
+                tgt[r, : len(seqs[j]) - 1] = torch.tensor(seqs[j][1:])
+            lp, am = self._forced(self._hidden(ids, mask, pos, c), tgt)
+            for r, j in enumerate(longer):
+                total[j] += float(lp[r].sum())
+                argmax[j] = am[r, : len(seqs[j]) - 1].tolist()
         for j, s in enumerate(seqs):
             if s[0] != g0[rows[j]]:
                 continue
@@ -431,7 +455,8 @@ class Runner:
             mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long)], 1)
             ids = torch.tensor([[gen[r][-1]] for r in live])
             self.hooks.rows = b.rows[live]
-            nxt = self._forward(ids, mask, b.pos[live, -1:] + step, cache)[:, -1].argmax(-1)
+            h = self._hidden(ids, mask, b.pos[live, -1:] + step, cache)[:, -1]
+            nxt = self._logits(h).argmax(-1)
             for r, t in zip(live, nxt.tolist(), strict=True):
                 gen[r].append(int(t))
             still = []
@@ -636,6 +661,159 @@ def oracle(
     return out
 
 
+def pooled_train_facts(langs: Sequence[str]) -> list[Fact]:
+    """Every train fact once, in one of ``langs`` in turn (fact i in ``langs[i % n]``): a
+    language-independent pool of distinct facts for vector means."""
+    idx = fact_index("train")
+    en = load_facts("train", ["en"])
+    return [idx[f"{f.fact_id}:{langs[i % len(langs)]}"] for i, f in enumerate(en)]
+
+
+def pooled_means(
+    model: Any, tokenizer: Any, groups: Mapping[str, Sequence[str]], batch_size: int = 16
+) -> dict[str, torch.Tensor]:
+    """Mean last-token block outputs ``[L, H]`` of each prompt group."""
+    return {k: last_token_means(model, tokenizer, ps, batch_size, k)[0] for k, ps in groups.items()}
+
+
+def _select_confirm(
+    runner: Runner,
+    sel: Sequence[dict],
+    conf: Sequence[dict],
+    edits: Sequence[Edit],
+    top: int,
+) -> dict[str, Any]:
+    """Run every edit on ``sel``; the ``top`` best by paired Δ mean log P(gold) (non-English)
+    are run again on the disjoint ``conf`` items: noise cannot pick them twice."""
+    res, _ = runner.run(sel, [None, *edits])
+    sums = {e.name: summarise(sel, r, res[0]) for e, r in zip(edits, res[1:], strict=True)}
+    best = sorted(sums, key=lambda n: -sums[n]["logp"]["diff_non_en"]["diff"])[:top]
+    chosen = [e for e in edits if e.name in best]
+    cres, _ = runner.run(conf, [None, *chosen])
+    return {
+        "selection": {n: compact(v) for n, v in sums.items()},
+        "selection_base": compact(summarise(sel, res[0])),
+        "chosen": best,
+        "confirmation": {
+            e.name: summarise(conf, r, cres[0]) for e, r in zip(chosen, cres[1:], strict=True)
+        },
+        "confirmation_base": summarise(conf, cres[0]),
+        "n_select": len(sel),
+        "n_confirm": len(conf),
+    }
+
+
+def task_vectors(
+    runner: Runner,
+    sel: Sequence[dict],
+    conf: Sequence[dict],
+    facts: Mapping[str, Fact],
+    layers: Sequence[int],
+    top: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Step 3a: Hendel et al.'s task vector v = raw mean block-L last-token state of 5-shot
+    prompts over the ~200 train facts (demonstrations English, query-language, or English
+    before a query-language question; languages pooled), applied at the last prompt token of
+    zero-shot and of 3-shot prompts by interpolation h <- (1 - a) h + a v (a = 0.25, 0.5, 1) and
+    by addition h <- h + (v - mean state of the target form)."""
+    langs = sorted({r["lang"] for r in sel} - {"en"})
+    pool = pooled_train_facts(langs)
+    en = load_facts("train", ["en"])
+    groups = {
+        "en": [prompt(f, 5, seed) for f in en],
+        "native": [prompt(f, 5, seed) for f in pool],
+        "mixed": [mixed_prompt(f, 5, seed) for f in pool],
+        "zero": [query(f) for f in pool],
+        "eval": [prompt(f, 3, seed) for f in pool],
+    }
+    t0 = time.perf_counter()
+    means = pooled_means(runner.model, runner.tok, groups)
+    out: dict[str, Any] = {"means_seconds": round(time.perf_counter() - t0, 1), "forms": {}}
+    out["norms"] = {k: [round(float(v.norm()), 1) for v in m] for k, m in means.items()}
+    for form in ("zero", "eval"):
+        edits = []
+        for src in ("en", "native", "mixed"):
+            for ly in layers:
+                v = means[src][ly]
+                edits += [
+                    Edit(f"{src}.interp{a}@{ly}", ly, "interp", v, a) for a in (0.25, 0.5, 1.0)
+                ]
+                edits.append(Edit(f"{src}.add@{ly}", ly, "add", v - means[form][ly]))
+        recs_s = condition_records(sel, facts, form, seed)
+        recs_c = condition_records(conf, facts, form, seed)
+        out["forms"][form] = _select_confirm(runner, recs_s, recs_c, edits, top)
+    return out
+
+
+def conversion_failures(runner: Runner, recs: Sequence[dict], res: Sequence[dict], states):
+    """The diagnosis' class of every item (``analyze.classify``: a wrong answer whose English
+    answer reached rank <= 10 at the last prompt token in the second half of the blocks is a
+    conversion failure, else a recall failure), from the captured unedited states."""
+    head = lens_head(runner.model)
+    n = runner.num_layers
+    out = []
+    for rec, r, h in zip(recs, res, states, strict=True):
+        if r["correct"]:
+            out.append("correct")
+            continue
+        toks = first_tokens(runner.tok, rec["prompt"], answer_sep(rec), rec["answers_en"])
+        ranks, _ = best_rank(head(h.to(runner.dev)).cpu(), toks)
+        out.append(classify(False, np.concatenate([[np.nan], ranks]), n // 2, n - 1, 10))
+    return out
+
+
+def translation(
+    runner: Runner,
+    sel: Sequence[dict],
+    conf: Sequence[dict],
+    facts: Mapping[str, Fact],
+    layers: Sequence[int],
+    scales: Sequence[float],
+    top: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Step 3b: d = mean(zero-shot explicit conversion prompts) - mean(zero-shot recall
+    prompts) of the same ~200 train facts (languages pooled), added in natural units (scale x
+    the raw difference) at the last prompt token and every later token of the eval form;
+    judged on all items and on the diagnosis' conversion failures."""
+    langs = sorted({r["lang"] for r in sel} - {"en"})
+    pool = pooled_train_facts(langs)
+    groups = {"convert0": [conversion_prompt(f, 0, seed) for f in pool],
+              "zero": [query(f) for f in pool]}  # fmt: skip
+    means = pooled_means(runner.model, runner.tok, groups)
+    d = means["convert0"] - means["zero"]
+    edits = [Edit(f"tr{s}@{ly}", ly, "add", d[ly], s, gen=True) for ly in layers for s in scales]
+    recs = condition_records(sel, facts, "eval", seed)
+    res, states = runner.run(recs, [None, *edits], capture=True)
+    cls = conversion_failures(runner, recs, res[0], states)
+    conv = [i for i, c in enumerate(cls) if c == "conversion" and recs[i]["lang"] != "en"]
+    sub = [recs[i] for i in conv]
+    out: dict[str, Any] = {
+        "d_norm": [round(float(x.norm()), 1) for x in d],
+        "classes": {c: cls.count(c) for c in set(cls)},
+        "all": {
+            e.name: compact(summarise(recs, r, res[0])) for e, r in zip(edits, res[1:], strict=True)
+        },
+        "conversion": {
+            e.name: compact(summarise(sub, [r[i] for i in conv], [res[0][i] for i in conv]))
+            for e, r in zip(edits, res[1:], strict=True)
+        },
+        "n_select": len(recs),
+        "n_conversion": len(conv),
+    }
+    best = sorted(out["all"], key=lambda n: -out["all"][n]["d_logp"])[:top]
+    chosen = [e for e in edits if e.name in best]
+    rc = condition_records(conf, facts, "eval", seed)
+    cres, _ = runner.run(rc, [None, *chosen])
+    out["chosen"] = best
+    out["confirmation"] = {
+        e.name: summarise(rc, r, cres[0]) for e, r in zip(chosen, cres[1:], strict=True)
+    }
+    out["n_confirm"] = len(rc)
+    return out
+
+
 # --- reports -----------------------------------------------------------------------------------
 
 WHAT: dict[str, str] = {
@@ -731,9 +909,77 @@ def oracle_md(o: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _compact_row(name: str, c: Mapping[str, Any]) -> str:
+    return (
+        f"| {name} | {100 * c['d_correct']:+.1f} [{100 * c['d_correct_ci95'][0]:+.1f}, "
+        f"{100 * c['d_correct_ci95'][1]:+.1f}] | {c['d_logp']:+.3f} [{c['d_logp_ci95'][0]:+.3f}, "
+        f"{c['d_logp_ci95'][1]:+.3f}] |"
+    )
+
+
+def _confirm_md(conf: Mapping[str, Any], base: Mapping[str, Any] | None, n: int) -> list[str]:
+    lines = [f"Confirmation on {n} other items (paired against no edit on them):", ""]
+    lines += ["| edit | Δ acc, pts [CI] | Δ log P [CI] | English Δ acc, pts |", "|---|---|---|---|"]
+    for name, sm in conf.items():
+        c = compact(sm)
+        en = sm["correct"].get("diff_en", {}).get("diff")
+        lines.append(_compact_row(name, c) + (f" {100 * en:+.1f} |" if en is not None else " — |"))
+    if base is not None:
+        lines += ["", f"No edit there: {pct(base['correct']['non_en'])} % non-English."]
+    return lines
+
+
+def _top_md(sel: Mapping[str, Mapping[str, Any]], k: int = 12) -> list[str]:
+    lines = ["| edit | Δ acc, pts [CI] | Δ log P [CI] |", "|---|---|---|"]
+    for name in sorted(sel, key=lambda n: -sel[n]["d_logp"])[:k]:
+        lines.append(_compact_row(name, sel[name]))
+    return lines
+
+
+def taskvec_md(t: Mapping[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for form, f in t["forms"].items():
+        b = f["selection_base"]
+        lines += [
+            f"### Applied to the {'zero-shot' if form == 'zero' else '3-shot eval'} form",
+            "",
+            f"Selection: {f['n_select']} items, no edit {pct(b['correct'])} % non-English, "
+            f"mean log P {b['logp']:.2f}. Best {min(12, len(f['selection']))} of "
+            f"{len(f['selection'])} edits by Δ log P:",
+            "",
+        ]
+        lines += _top_md(f["selection"]) + [""]
+        lines += _confirm_md(f["confirmation"], f["confirmation_base"], f["n_confirm"]) + [""]
+    return lines
+
+
+def translation_md(t: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"Diagnosis classes of the {t['n_select']} selection items (no edit): {t['classes']}.",
+        "",
+        "| edit | all: Δ acc / Δ log P | conversion failures: Δ acc / Δ log P |",
+        "|---|---|---|",
+    ]
+    for name, a in t["all"].items():
+        c = t["conversion"].get(name, {})
+        conv = (
+            f"{100 * c['d_correct']:+.1f} / {c['d_logp']:+.3f}"
+            if c.get("d_correct") is not None
+            else "—"
+        )
+        lines.append(f"| {name} | {100 * a['d_correct']:+.1f} / {a['d_logp']:+.3f} | {conv} |")
+    lines += [""] + _confirm_md(t["confirmation"], None, t["n_confirm"])
+    return lines
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Mapping[str, Any]], list[str]]]] = {
     "headroom": ("Step 1: headroom without vectors", headroom_md),
     "oracle": ("Step 2: oracle ceilings (last-prompt-token patching)", oracle_md),
+    "taskvec": (
+        "Step 3a: recall task vector (Hendel et al.), interpolation and addition",
+        taskvec_md,
+    ),
+    "translation": ("Step 3b: translation difference vector, natural units", translation_md),
 }
 
 
@@ -790,7 +1036,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="local HF folder or an embedded model name")
     p.add_argument("--out", required=True, type=Path, help="report folder")
     p.add_argument(
-        "--experiments", default="headroom,oracle", help="comma-separated: headroom, oracle"
+        "--experiments",
+        default="headroom,oracle",
+        help="comma-separated: headroom, oracle, taskvec, translation",
     )
     p.add_argument("--split", default="calib", help="fact split of the evaluated items")
     p.add_argument(
@@ -804,7 +1052,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oracle-limit", type=int, default=None, help="oracle items per language")
     p.add_argument("--per-relation", type=int, default=16, help="train facts per relation mean")
     p.add_argument("--layers", default=None, help="oracle blocks, e.g. 0,4,8 (default: all)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--select-part", type=_part, default=(0, 8), help="step 3 selection items")
+    p.add_argument("--confirm-part", type=_part, default=(1, 2), help="step 3 confirmation items")
+    p.add_argument("--tv-layers", default="2,4,6,8,10", help="task-vector blocks")
+    p.add_argument("--tr-layers", default="12,13,14,15,16,17", help="translation blocks")
+    p.add_argument("--tr-scales", default="0.5,1,2", help="translation scales (x raw difference)")
+    p.add_argument("--top", type=int, default=3, help="step 3 edits confirmed per search")
+    p.add_argument(
+        "--batch-size", type=int, default=64, help="items per forward (weights are read per call)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="demonstration seed")
     return p.parse_args(argv)
@@ -844,6 +1100,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             setup = (
                 f"{exp['n_items']} non-English items ({part(args.oracle_part)}); "
                 f"relation means over {args.per_relation} train facts per relation and language."
+            )
+        elif name in ("taskvec", "translation"):
+            sel = eval_records(args.split, part=args.select_part)
+            conf = eval_records(args.split, part=args.confirm_part)
+            if name == "taskvec":
+                lys = [int(x) for x in args.tv_layers.split(",")]
+                exp = task_vectors(runner, sel, conf, facts, lys, args.top, args.seed)
+            else:
+                lys = [int(x) for x in args.tr_layers.split(",")]
+                scales = [float(x) for x in args.tr_scales.split(",")]
+                exp = translation(runner, sel, conf, facts, lys, scales, args.top, args.seed)
+            setup = (
+                f"Selected by paired Δ mean log P(gold) on {len(sel)} items "
+                f"({part(args.select_part)}), the best {args.top} confirmed on {len(conf)} others "
+                f"({part(args.confirm_part)}); all 12 languages, English reported apart."
             )
         else:
             raise SystemExit(f"unknown experiment {name!r}")
