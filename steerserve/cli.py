@@ -341,6 +341,11 @@ def extract(
     form: str = typer.Option(
         "auto", help=_FORM_HELP + " (chat for a model whose name ends in -instruct, -it, -chat)."
     ),
+    recall_sources: str = typer.Option(
+        "en,native,mixed",
+        help="Recall variants to compute: demonstrations in English (en), in the query language "
+        "(native), English ones before a query-language query (mixed); fewer = fewer prompts.",
+    ),
 ) -> None:
     """Extract per-layer candidate recall and translation vectors (all layers, last token)."""
     import json
@@ -363,6 +368,7 @@ def extract(
     mdl, tok = load_model(model, device=device, dtype=dtype)
     cfg = ExtractConfig(
         form=form,
+        recall_sources=_strs(recall_sources),
         per_lang=per_lang,
         recall_shots=recall_shots,
         translation_shots=translation_shots,

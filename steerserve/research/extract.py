@@ -68,6 +68,8 @@ class ExtractConfig:
     langs: tuple[str, ...] = LANGS
     relations: tuple[str, ...] = RELATIONS
     form: str = "completion"  # or "chat" (instruction-tuned models)
+    # which recall variants to compute (fewer: fewer prompt groups, for a large model on a CPU)
+    recall_sources: tuple[str, ...] = RECALL_SOURCES
 
 
 @dataclass
@@ -193,11 +195,29 @@ def _chat_groups(cfg: ExtractConfig, tf: dict[str, list[Fact]]) -> dict[str, lis
     }
 
 
+#: The prompt groups each recall variant needs (the translation vector always needs its two).
+_SOURCE_GROUPS: dict[str, tuple[str, ...]] = {
+    "native": ("zero.native", "fewshot.native"),
+    "en": ("zero.en", "fewshot.en"),
+    "mixed": ("fewshot.mixed", "zero.non_en"),
+}
+
+
 def prompt_groups(cfg: ExtractConfig) -> dict[str, list[Prompt]]:
     """Every prompt group whose mean is needed; names are stable keys of the sidecar."""
+    unknown = set(cfg.recall_sources) - set(RECALL_SOURCES)
+    if unknown:
+        raise ValueError(f"unknown recall sources {sorted(unknown)}; known: {RECALL_SOURCES}")
+    # zero.native always: its norms are the scale unit
+    needed = {"zero.native", "translation", "recall.non_en"}
+    needed |= {g for src in cfg.recall_sources for g in _SOURCE_GROUPS[src]}
+    return {k: v for k, v in _all_groups(cfg).items() if v and k in needed}
+
+
+def _all_groups(cfg: ExtractConfig) -> dict[str, list[Prompt]]:
     tf = train_facts(cfg)
     if cfg.form == "chat":
-        return {k_: v for k_, v in _chat_groups(cfg, tf).items() if v}
+        return _chat_groups(cfg, tf)
     if cfg.form != "completion":
         raise ValueError(f"unknown form {cfg.form!r}; known: completion, chat")
     non_en = [f for lang in cfg.langs if lang != "en" for f in tf[lang]]
@@ -214,7 +234,7 @@ def prompt_groups(cfg: ExtractConfig) -> dict[str, list[Prompt]]:
         "translation": list(translation_prompts(non_en, cfg.translation_shots, s)),
         "recall.non_en": [prompt(f, cfg.translation_shots, s) for f in non_en],
     }
-    return {k_: v for k_, v in groups.items() if v}
+    return groups
 
 
 # --- residual means ---------------------------------------------------------------------------
@@ -269,7 +289,7 @@ def extract(model: Any, tokenizer: Any, cfg: ExtractConfig | None = None) -> Can
             norm = nrm
     t: dict[str, torch.Tensor] = {}
     zero = {"native": "zero.native", "en": "zero.en", "mixed": "zero.non_en"}
-    for src in RECALL_SOURCES:
+    for src in cfg.recall_sources:
         few = f"fewshot.{src}"
         if few in means:
             t[f"recall.{src}.raw"] = means[few]

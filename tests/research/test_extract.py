@@ -134,3 +134,12 @@ def test_chat_means_are_read_where_the_reply_starts(tiny) -> None:
         model, tok, ExtractConfig(per_lang=1, langs=("en", "ja"), batch_size=4, form="chat")
     )
     assert c.meta["form"] == "chat" and torch.isfinite(c.tensors["translation"]).all()
+
+
+def test_recall_sources_limit_the_groups() -> None:
+    cfg = ExtractConfig(**{**CFG.__dict__, "recall_sources": ("native",), "form": "chat"})
+    assert set(prompt_groups(cfg)) == {
+        "zero.native", "fewshot.native", "translation", "recall.non_en",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown recall sources"):
+        prompt_groups(ExtractConfig(recall_sources=("german",)))
