@@ -30,16 +30,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from steerserve.chat import chat_ids, reply_separator
 from steerserve.research.analyze import answer_sep, best_rank, classify, first_tokens, lens_head
-from steerserve.research.extract import last_token_means, mixed_prompt
+from steerserve.research.extract import last_token_means, mixed_prompt, translation_chat
 from steerserve.research.facts import (
     ANSWER_SEP,
+    LANGS,
     RELATIONS,
     Fact,
     eval_records,
@@ -50,7 +53,7 @@ from steerserve.research.facts import (
 )
 from steerserve.research.hf import decoder_layers, left_padded
 from steerserve.research.report import pct, pyplot, write
-from steerserve.research.scoring import bootstrap_mean, normalise, paired_bootstrap, score
+from steerserve.research.scoring import bootstrap_mean, normalise, paired_bootstrap, score_record
 
 log = logging.getLogger("steerserve.ceilings")
 
@@ -104,42 +107,73 @@ CONDITIONS: dict[str, Callable[[Fact, int], str]] = {
     "native5": lambda f, s: prompt(f, 5, s),  # (iii) 5 demonstrations in the query language
     "mixed5": lambda f, s: mixed_prompt(f, 5, s),  # (iv) 5 English demos, query-language question
     "convert": conversion_prompt,  # (vi) "English: <answer_en> → <language>:", 3-shot
-}  # (v), the same fact asked in English, is the "eval" result of the English twin
+}  # (v)/(vii), the same fact asked in English/Chinese, are the "eval" results of the twins
 
 
+def mixed_messages(fact: Fact, k: int, seed: int = 0) -> list[dict[str, str]]:
+    """Chat with ``k`` English demonstration turns, then the question in ``fact.lang``."""
+    from steerserve.research.facts.chat import messages
+
+    twins = {d.fact_id: fact_index(d.split)[f"{d.fact_id}:en"] for d in shots_for(fact, k, seed)}
+    return messages(fact, k, seed, demos_from=twins)
+
+
+def _chat_conditions() -> dict[str, Callable[[Fact, int], list[dict[str, str]]]]:
+    from steerserve.research.facts.chat import messages
+
+    return {
+        "eval": lambda f, s: messages(f, 0, s),  # (i) the chat evaluation form: zero-shot
+        "native5": lambda f, s: messages(f, 5, s),  # (iii) 5 earlier turns, query language
+        "mixed5": lambda f, s: mixed_messages(f, 5, s),  # (iv) 5 English turns first
+        "convert": lambda f, s: translation_chat(f, 0, s),  # (vi) "Translate into <lang>: X"
+    }
+
+
+def conditions(form: str) -> list[str]:
+    """The prompt conditions of a form (a chat's evaluation form already is zero-shot)."""
+    return list(CONDITIONS) if form == "completion" else list(_chat_conditions())
+
+
+@cache
 def fact_index(split: str) -> dict[str, Fact]:
-    """``"<fact_id>:<lang>"`` -> Fact, the ids ``eval_records`` uses."""
+    """``"<fact_id>:<lang>"`` -> Fact, the ids ``eval_records`` uses (shared: do not mutate)."""
     return {f"{f.fact_id}:{f.lang}": f for f in load_facts(split)}
 
 
 def condition_records(items: Sequence[dict], facts: Mapping[str, Fact], cond: str, seed: int = 0):
-    """``items`` (eval_records) rewritten to condition ``cond``; answers unchanged."""
-    return [{**r, "prompt": CONDITIONS[cond](facts[r["id"]], seed)} for r in items]
+    """``items`` (eval_records, either form) rewritten to condition ``cond``; answers kept."""
+    out = []
+    for r in items:
+        f = facts[r["id"]]
+        if "messages" in r:
+            rec = {k: v for k, v in r.items() if k != "messages"}
+            rec["messages"] = _chat_conditions()[cond](f, seed)
+        else:
+            rec = {**r, "prompt": CONDITIONS[cond](f, seed)}
+        out.append(rec)
+    return out
 
 
 # --- tokens ------------------------------------------------------------------------------------
 
 
-def render(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[str, bool]:
-    """The text the model reads and whether the tokenizer must add special tokens (a rendered
-    chat template already holds BOS)."""
-    if "messages" in rec:
-        text = tokenizer.apply_chat_template(
-            rec["messages"], tokenize=False, add_generation_prompt=True
-        )
-        return text, False
-    return rec["prompt"], True
-
-
 def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
-    """Prompt ids and each distinct alias's ids as the model would emit them after the prompt
-    (tokenised in context so the separator merges as in generation)."""
-    text, special = render(tokenizer, rec)
-    ids = tokenizer(text, add_special_tokens=special)["input_ids"]
-    sep = "" if "messages" in rec else answer_sep(rec)
+    """Prompt ids (a chat rendered as the server renders it) and each distinct alias's ids as
+    the model would emit them after the prompt (a completion's tokenised in context, so the
+    separator merges as in generation; a chat's reply starts a fresh word after the header)."""
+    if "messages" in rec:
+        ids = chat_ids(tokenizer, rec["messages"])
+        sep = reply_separator(tokenizer)
+        aliases = [
+            tokenizer(sep + a, add_special_tokens=False)["input_ids"] for a in rec["answers"]
+        ]
+        return ids, [a for i, a in enumerate(aliases) if a and a not in aliases[:i]]
+    text = rec["prompt"]
+    ids = tokenizer(text)["input_ids"]
+    sep = answer_sep(rec)
     out: list[list[int]] = []
     for a in rec["answers"]:
-        full = tokenizer(text + sep + a, add_special_tokens=special)["input_ids"]
+        full = tokenizer(text + sep + a)["input_ids"]
         if full[: len(ids)] == ids and len(full) > len(ids):
             a_ids = full[len(ids) :]
         else:  # merged across the boundary: the continuation alone
@@ -149,14 +183,18 @@ def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list
     return ids, out
 
 
-def decided(text: str, answers: Sequence[str], answers_en: Sequence[str]) -> bool:
-    """True once more greedy tokens cannot change ``score(text, ...)``: a newline ended the first
-    line, or the normalised answer so far matches, or can no longer match, every alias."""
+def decided(text: str, rec: Mapping[str, Any]) -> bool:
+    """True once more greedy tokens cannot change whether ``text`` is correct (nor, in the
+    completion form, English): a newline ended the first line; a chat reply contains a gold
+    answer; a completion's normalised answer so far matches, or can no longer match, every
+    alias."""
     t = text.lstrip(" \t")
     if "\n" in t:
         return True
     p = normalise(t)
-    for group in (answers, answers_en):
+    if "messages" in rec:
+        return any(a and a in p for a in map(normalise, rec["answers"]))
+    for group in (rec["answers"], rec.get("answers_en", ())):
         gold = [a for a in map(normalise, group) if a]
         if any(p.startswith(a) for a in gold):
             return True
@@ -369,9 +407,10 @@ class Runner:
         hk.edit = None
         res = []
         for r, rec in enumerate(recs):
-            s = score(texts[r], rec["answers"], rec.get("answers_en", ()))
-            res.append({"correct": s.correct, "english": s.english, "recall_any": s.recall_any,
-                        "logp": logp[r][0], "logp_tok": logp[r][1], "text": texts[r]})  # fmt: skip
+            s = score_record(rec, texts[r])
+            res.append({"correct": s.correct, "english": s.english, "chinese": s.chinese,
+                        "recall_any": s.recall_any, "logp": logp[r][0], "logp_tok": logp[r][1],
+                        "text": texts[r]})  # fmt: skip
         return res
 
     def _teacher_forced(self, b: _Batch, cache: Any, lp0: torch.Tensor, aliases: list):
@@ -424,11 +463,7 @@ class Runner:
         """Whether greedy ``tokens`` already fix the score, and their text."""
         ids = [t for t in tokens if t not in self.eos]
         text = self.tok.decode(ids[:MAX_NEW], skip_special_tokens=True)
-        done = (
-            len(ids) < len(tokens)
-            or len(tokens) >= MAX_NEW
-            or decided(text, rec["answers"], rec.get("answers_en", ()))
-        )
+        done = len(ids) < len(tokens) or len(tokens) >= MAX_NEW or decided(text, rec)
         return done, text
 
     def _greedy(self, b: _Batch, cache: Any, lp0: torch.Tensor, recs: list, paths: list) -> list:
@@ -470,7 +505,7 @@ class Runner:
 
 # --- statistics --------------------------------------------------------------------------------
 
-METRICS: tuple[str, ...] = ("correct", "logp", "logp_tok", "english", "recall_any")
+METRICS: tuple[str, ...] = ("correct", "logp", "logp_tok", "english", "chinese", "recall_any")
 
 
 def by_lang(records: Sequence[Mapping], res: Sequence[Mapping], key: str) -> dict[str, list[float]]:
@@ -494,7 +529,7 @@ def summarise(
     """Per language and non-English mean (mean of language means, bootstrap 95 % CI) of every
     metric; with ``base`` (same items), paired differences with paired bootstrap CIs."""
     out: dict[str, Any] = {"n": len(res)}
-    for key in keys:
+    for key in [k for k in keys if not res or k in res[0]]:  # results before "chinese" lack it
         d = by_lang(records, res, key)
         ne = _non_en(d)
         m: dict[str, Any] = {"per_lang": {k: float(np.mean(v)) for k, v in d.items()}}
@@ -533,19 +568,50 @@ def _slim(res: Sequence[Mapping]) -> list[dict]:
     return [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in res]
 
 
-def headroom(runner: Runner, items: Sequence[dict], facts: Mapping[str, Fact], seed: int = 0):
-    """Step 1: every prompt condition on the same items, no vectors; paired against ``eval``."""
+def cached(path: Path | None, fn: Callable[[], Any]) -> Any:
+    """``fn()``, stored as JSON at ``path`` and read back from there on a rerun: a killed run
+    resumes after its last finished piece."""
+    if path is not None and path.is_file():
+        log.info("reusing %s", path)
+        return json.loads(path.read_text())
+    out = fn()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, ensure_ascii=False))
+        tmp.replace(path)
+    return out
+
+
+def headroom(
+    runner: Runner,
+    items: Sequence[dict],
+    facts: Mapping[str, Fact],
+    seed: int = 0,
+    partial: Path | None = None,
+):
+    """Step 1: every prompt condition on the same items, no vectors; paired against ``eval``.
+    With ``partial``, each condition's per-item results are kept there (resumable)."""
     res: dict[str, list[dict]] = {}
     timing: dict[str, float] = {}
-    for cond in CONDITIONS:
+    for cond in conditions("chat" if "messages" in items[0] else "completion"):
         t0 = time.perf_counter()
-        res[cond] = runner.run(condition_records(items, facts, cond, seed))[0][0]
+
+        def run(cond: str = cond) -> list[dict]:
+            return _slim(runner.run(condition_records(items, facts, cond, seed))[0][0])
+
+        res[cond] = cached(None if partial is None else partial / f"{cond}.json", run)
         timing[cond] = round(time.perf_counter() - t0, 1)
         log.info("headroom %s: %.0f s", cond, timing[cond])
     base = res["eval"]
-    en_row = {facts[r["id"]].fact_id: i for i, r in enumerate(items) if r["lang"] == "en"}
-    twin = [base[en_row[facts[r["id"]].fact_id]] for r in items]  # (v): asked in English
-    res["english"] = twin
+    fid = [facts[r["id"]].fact_id for r in items]
+    for twin_lang, name in (("en", "english"), ("zh", "chinese")):
+        row = {
+            f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == twin_lang
+        }
+        if row:  # (v) asked in English / (vii) asked in Chinese: the twin's eval-form result
+            res[name] = [base[row[f]] for f in fid]
+    twin = res["english"]
     out: dict[str, Any] = {"conditions": {c: summarise(items, r, base) for c, r in res.items()}}
     conv = res["convert"]
     sets = {  # what each ceiling could add, counted on the eval form's wrong answers
@@ -565,48 +631,87 @@ def headroom(runner: Runner, items: Sequence[dict], facts: Mapping[str, Fact], s
         for k, v in sets.items()
     }
     out["seconds"] = timing
-    out["items"] = {c: _slim(r) for c, r in res.items() if c != "english"}
+    out["items"] = {c: _slim(r) for c, r in res.items() if c not in ("english", "chinese")}
     out["ids"] = [r["id"] for r in items]
     return out
 
 
+def eval_prompt(fact: Fact, form: str, seed: int = 0) -> str | list[dict[str, str]]:
+    """The evaluation form of ``fact``: the completion's 3-shot prompt, or the zero-shot chat."""
+    if form == "chat":
+        from steerserve.research.facts.chat import messages
+
+        return messages(fact, 0, seed)
+    return prompt(fact, 3, seed)
+
+
 def relation_means(
-    model: Any, tokenizer: Any, langs: Sequence[str], per_relation: int, seed: int = 0
+    model: Any,
+    tokenizer: Any,
+    langs: Sequence[str],
+    per_relation: int,
+    seed: int = 0,
+    form: str = "completion",
 ) -> dict[tuple[str, str], torch.Tensor]:
-    """``(lang, relation) -> [L, H]``: mean last-token block outputs of the eval form (3-shot)
+    """``(lang, relation) -> [L, H]``: mean last-token block outputs of the evaluation form
     over the first ``per_relation`` train facts of that relation in that language."""
     out = {}
     for lang in langs:
         for rel in RELATIONS:
             fs = load_facts("train", [lang], [rel])[:per_relation]
             if fs:
-                ps = [prompt(f, 3, seed) for f in fs]
+                ps = [eval_prompt(f, form, seed) for f in fs]
                 out[(lang, rel)] = last_token_means(model, tokenizer, ps, 16, f"{lang}/{rel}")[0]
     return out
+
+
+#: The pivot languages an oracle patches in, and the query languages each is tried on (None:
+#: every other language). English is the paper's pivot; Chinese is where a model's Japanese and
+#: Korean answers may pass (the chat model answers them in Chinese).
+PIVOTS: dict[str, tuple[str, ...] | None] = {"en": None, "zh": ("ja", "ko")}
+VARIANTS: tuple[str, ...] = ("replace_fact", "add_fact", "replace_rel", "add_rel")
 
 
 def oracle_edits(
     layers: Sequence[int],
     h_x: torch.Tensor,
-    h_en: torch.Tensor,
-    rel_en: torch.Tensor,
+    h_p: torch.Tensor,
+    rel_p: torch.Tensor,
     rel_x: torch.Tensor,
+    suffix: str = "",
 ) -> list[Edit]:
-    """Step 2's four edits per block (all ``[N, L, H]``, row i = item i):
-    ``replace_fact`` h <- h_en (same fact, English eval form) at the last prompt token;
-    ``add_fact`` h <- h + (h_en - h_x) at the last prompt token *and* every later token (at the
-    last token the same as replacing; later tokens differ); ``replace_rel`` h <- the relation's
-    mean English state; ``add_rel`` h <- h + (relation mean English - relation mean in the query
-    language), last prompt and later tokens: a per-language, per-relation shift vector."""
+    """Step 2's four edits per block (all ``[N, L, H]``, row i = item i; ``p`` the pivot):
+    ``replace_fact`` h <- h_p (same fact, pivot-language evaluation form) at the last prompt
+    token; ``add_fact`` h <- h + (h_p - h_x) at the last prompt token *and* every later token
+    (at the last token the same as replacing; later tokens differ); ``replace_rel`` h <- the
+    relation's mean pivot state; ``add_rel`` h <- h + (relation mean pivot - relation mean in
+    the query language), last prompt and later tokens: a per-language, per-relation shift."""
     edits = []
     for ly in layers:
         edits += [
-            Edit(f"replace_fact@{ly}", ly, "replace", h_en[:, ly]),
-            Edit(f"add_fact@{ly}", ly, "add", h_en[:, ly] - h_x[:, ly], gen=True),
-            Edit(f"replace_rel@{ly}", ly, "replace", rel_en[:, ly]),
-            Edit(f"add_rel@{ly}", ly, "add", rel_en[:, ly] - rel_x[:, ly], gen=True),
+            Edit(f"replace_fact{suffix}@{ly}", ly, "replace", h_p[:, ly]),
+            Edit(f"add_fact{suffix}@{ly}", ly, "add", h_p[:, ly] - h_x[:, ly], gen=True),
+            Edit(f"replace_rel{suffix}@{ly}", ly, "replace", rel_p[:, ly]),
+            Edit(f"add_rel{suffix}@{ly}", ly, "add", rel_p[:, ly] - rel_x[:, ly], gen=True),
         ]
     return edits
+
+
+def cached_tensors(path: Path | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` (tensors in plain containers) kept with ``torch.save`` (see :func:`cached`)."""
+    if path is not None and path.is_file():
+        log.info("reusing %s", path)
+        return torch.load(path, weights_only=False)
+    out = fn()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return out
+
+
+def _edit_results(res: Sequence[Sequence[Mapping]]) -> list[list[dict]]:
+    return [_slim(r) for r in res]
 
 
 def oracle(
@@ -616,47 +721,79 @@ def oracle(
     per_relation: int = 16,
     layers: Sequence[int] | None = None,
     seed: int = 0,
+    pivots: Sequence[str] = ("en",),
+    partial: Path | None = None,
+    group: int = 3,
 ) -> dict[str, Any]:
     """Step 2: patch the last prompt token's state at each block (see ``oracle_edits``), on the
-    non-English items of ``items`` (their English twins supply h_en); paired against no edit."""
+    items of ``items`` whose pivot twin is there (it supplies h_p); paired against no edit.
+    Blocks run ``group`` at a time; with ``partial`` each group is kept there (resumable)."""
     layers = list(range(runner.num_layers)) if layers is None else list(layers)
+    form = "chat" if "messages" in items[0] else "completion"
+    part = (lambda n: None) if partial is None else (lambda n: partial / n)  # noqa: E731
     t0 = time.perf_counter()
-    runs, states = runner.run(items, [None], capture=True)
-    base_all = runs[0]
-    assert states is not None
+
+    def baseline() -> dict[str, Any]:
+        runs, states = runner.run(items, [None], capture=True)
+        return {"res": _slim(runs[0]), "states": states}
+
+    base_run = cached_tensors(part("baseline.pt"), baseline)
+    states = base_run["states"]
     fid = [facts[r["id"]].fact_id for r in items]
-    en_row = {f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == "en"}
-    sel = [i for i, r in enumerate(items) if r["lang"] != "en" and fid[i] in en_row]
-    recs = [items[i] for i in sel]
-    h_x = states[sel]
-    h_en = states[[en_row[fid[i]] for i in sel]]
-    langs = sorted({r["lang"] for r in recs}) + ["en"]
-    means = relation_means(runner.model, runner.tok, langs, per_relation, seed)
-    rels = [facts[r["id"]].relation for r in recs]
-    rel_en = torch.stack([means[("en", rel)] for rel in rels])
-    rel_x = torch.stack([means[(r["lang"], rel)] for r, rel in zip(recs, rels, strict=True)])
-    mid = runner.num_layers // 2
-    edits: list[Edit | None] = [None, Edit(f"self@{mid}", mid, "replace", h_x[:, mid])]
-    edits += oracle_edits(layers, h_x, h_en, rel_en, rel_x)
+    langs = _langs(items)
+    means = cached_tensors(
+        part("relation_means.pt"),
+        lambda: relation_means(runner.model, runner.tok, langs, per_relation, seed, form),
+    )
     t1 = time.perf_counter()
-    res, _ = runner.run(recs, edits)
-    base = res[0]
-    names = ["none"] + [e.name for e in edits[1:] if e is not None]
-    out: dict[str, Any] = {
-        "n_items": len(recs),
-        "layers": layers,
-        "per_relation": per_relation,
-        "edits": {n: summarise(recs, r, base) for n, r in zip(names, res, strict=True)},
-        "base_all_langs": summarise(items, base_all),
-        "seconds": {
-            "baseline+means": round(t1 - t0, 1),
-            "edits": round(time.perf_counter() - t1, 1),
-        },
-        "items": {
-            n: {"correct": [int(x["correct"]) for x in r], "logp": [round(x["logp"], 3) for x in r]}
-            for n, r in zip(names, res, strict=True)
-        },  # fmt: skip
-        "ids": [r["id"] for r in recs],
+    out: dict[str, Any] = {"layers": layers, "per_relation": per_relation, "pivots": {}}
+    out["base_all_langs"] = summarise(items, base_run["res"])
+    for pv in pivots:
+        row = {f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == pv}
+        targets = PIVOTS.get(pv)
+        sel = [
+            i
+            for i, r in enumerate(items)
+            if r["lang"] not in ("en", pv)
+            and (targets is None or r["lang"] in targets)
+            and fid[i] in row
+        ]
+        if not sel:
+            continue
+        recs = [items[i] for i in sel]
+        h_x, h_p = states[sel], states[[row[fid[i]] for i in sel]]
+        rels = [facts[r["id"]].relation for r in recs]
+        rel_p = torch.stack([means[(pv, rel)] for rel in rels])
+        rel_x = torch.stack([means[(r["lang"], rel)] for r, rel in zip(recs, rels, strict=True)])
+        sfx = "" if pv == "en" else f".{pv}"
+        mid = runner.num_layers // 2
+        first: list[Edit | None] = [None, Edit(f"self{sfx}@{mid}", mid, "replace", h_x[:, mid])]
+        names: list[str] = ["none", f"self{sfx}@{mid}"]
+        results: list[list[dict]] = []
+        for g in range(0, len(layers), group):
+            lys = layers[g : g + group]
+            edits = oracle_edits(lys, h_x, h_p, rel_p, rel_x, sfx)
+            todo = (first if g == 0 else []) + edits
+            res = cached(
+                part(f"{pv}-blocks-{'-'.join(map(str, lys))}.json"),
+                lambda todo=todo, recs=recs: _edit_results(runner.run(recs, todo)[0]),
+            )
+            names += [e.name for e in edits]
+            results += res
+        base = results[0]
+        out["pivots"][pv] = {
+            "n_items": len(recs),
+            "edits": {n: summarise(recs, r, base) for n, r in zip(names, results, strict=True)},
+            "items": {
+                n: {"correct": [int(x["correct"]) for x in r], "logp": [x["logp"] for x in r]}
+                for n, r in zip(names, results, strict=True)
+            },
+            "ids": [r["id"] for r in recs],
+        }
+    out["n_items"] = out["pivots"].get("en", {}).get("n_items", 0)
+    out["seconds"] = {
+        "baseline+means": round(t1 - t0, 1),
+        "edits": round(time.perf_counter() - t1, 1),
     }
     return out
 
@@ -670,10 +807,33 @@ def pooled_train_facts(langs: Sequence[str]) -> list[Fact]:
 
 
 def pooled_means(
-    model: Any, tokenizer: Any, groups: Mapping[str, Sequence[str]], batch_size: int = 16
+    model: Any, tokenizer: Any, groups: Mapping[str, Sequence[Any]], batch_size: int = 16
 ) -> dict[str, torch.Tensor]:
     """Mean last-token block outputs ``[L, H]`` of each prompt group."""
     return {k: last_token_means(model, tokenizer, ps, batch_size, k)[0] for k, ps in groups.items()}
+
+
+def form_prompt(fact: Fact, kind: str, form: str, seed: int = 0) -> Any:
+    """``fact`` as a prompt of ``kind`` in ``form``: ``zero`` (zero-shot), ``eval`` (the
+    evaluation form: 3-shot completion, zero-shot chat), ``native5``/``mixed5`` (5
+    query-language / English demonstrations) or ``convert0`` (zero-shot explicit conversion)."""
+    if form == "chat":
+        from steerserve.research.facts.chat import messages
+
+        return {
+            "zero": lambda: messages(fact, 0, seed),
+            "eval": lambda: messages(fact, 0, seed),
+            "native5": lambda: messages(fact, 5, seed),
+            "mixed5": lambda: mixed_messages(fact, 5, seed),
+            "convert0": lambda: translation_chat(fact, 0, seed),
+        }[kind]()
+    return {
+        "zero": lambda: query(fact),
+        "eval": lambda: prompt(fact, 3, seed),
+        "native5": lambda: prompt(fact, 5, seed),
+        "mixed5": lambda: mixed_prompt(fact, 5, seed),
+        "convert0": lambda: conversion_prompt(fact, 0, seed),
+    }[kind]()
 
 
 def _select_confirm(
@@ -682,14 +842,20 @@ def _select_confirm(
     conf: Sequence[dict],
     edits: Sequence[Edit],
     top: int,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
     """Run every edit on ``sel``; the ``top`` best by paired Δ mean log P(gold) (non-English)
-    are run again on the disjoint ``conf`` items: noise cannot pick them twice."""
-    res, _ = runner.run(sel, [None, *edits])
+    are run again on the disjoint ``conf`` items: noise cannot pick them twice. With
+    ``partial``, the per-item results of both runs are kept there (resumable)."""
+    p = (lambda n: None) if partial is None else (lambda n: partial / n)  # noqa: E731
+    res = cached(p("select.json"), lambda: _edit_results(runner.run(sel, [None, *edits])[0]))
     sums = {e.name: summarise(sel, r, res[0]) for e, r in zip(edits, res[1:], strict=True)}
     best = sorted(sums, key=lambda n: -sums[n]["logp"]["diff_non_en"]["diff"])[:top]
     chosen = [e for e in edits if e.name in best]
-    cres, _ = runner.run(conf, [None, *chosen])
+    cres = cached(
+        p(f"confirm-{'+'.join(best)}.json"),
+        lambda: _edit_results(runner.run(conf, [None, *chosen])[0]),
+    )
     return {
         "selection": {n: compact(v) for n, v in sums.items()},
         "selection_base": compact(summarise(sel, res[0])),
@@ -711,39 +877,53 @@ def task_vectors(
     layers: Sequence[int],
     top: int = 3,
     seed: int = 0,
+    targets: Sequence[str] = ("zero", "eval"),
+    sources: Sequence[str] = ("en", "native", "mixed"),
+    alphas: Sequence[float] = (0.25, 0.5, 1.0),
+    partial: Path | None = None,
 ) -> dict[str, Any]:
     """Step 3a: Hendel et al.'s task vector v = raw mean block-L last-token state of 5-shot
-    prompts over the ~200 train facts (demonstrations English, query-language, or English
-    before a query-language question; languages pooled), applied at the last prompt token of
-    zero-shot and of 3-shot prompts by interpolation h <- (1 - a) h + a v (a = 0.25, 0.5, 1) and
-    by addition h <- h + (v - mean state of the target form)."""
+    prompts over the ~200 train facts (``sources``: demonstrations and question in English,
+    in the query language, or English demonstrations before a query-language question;
+    languages pooled), applied at the last prompt token of the ``targets`` forms (zero-shot,
+    the evaluation form; a chat's are one) by interpolation h <- (1 - a) h + a v and by
+    addition h <- h + (v - mean state of the target form)."""
+    form = "chat" if "messages" in sel[0] else "completion"
+    targets = ["eval"] if form == "chat" else list(targets)
     langs = sorted({r["lang"] for r in sel} - {"en"})
     pool = pooled_train_facts(langs)
     en = load_facts("train", ["en"])
-    groups = {
-        "en": [prompt(f, 5, seed) for f in en],
-        "native": [prompt(f, 5, seed) for f in pool],
-        "mixed": [mixed_prompt(f, 5, seed) for f in pool],
-        "zero": [query(f) for f in pool],
-        "eval": [prompt(f, 3, seed) for f in pool],
+    groups: dict[str, list[Any]] = {
+        "en": [form_prompt(f, "native5", form, seed) for f in en],
+        "native": [form_prompt(f, "native5", form, seed) for f in pool],
+        "mixed": [form_prompt(f, "mixed5", form, seed) for f in pool],
     }
+    groups = {k: v for k, v in groups.items() if k in sources}
+    groups |= {t: [form_prompt(f, t, form, seed) for f in pool] for t in targets}
     t0 = time.perf_counter()
-    means = pooled_means(runner.model, runner.tok, groups)
+    means = cached_tensors(
+        None if partial is None else partial / "means.pt",
+        lambda: pooled_means(runner.model, runner.tok, groups),
+    )
     out: dict[str, Any] = {"means_seconds": round(time.perf_counter() - t0, 1), "forms": {}}
     out["norms"] = {k: [round(float(v.norm()), 1) for v in m] for k, m in means.items()}
-    for form in ("zero", "eval"):
+    for target in targets:
         edits = []
-        for src in ("en", "native", "mixed"):
+        for src in sources:
             for ly in layers:
                 v = means[src][ly]
-                edits += [
-                    Edit(f"{src}.interp{a}@{ly}", ly, "interp", v, a) for a in (0.25, 0.5, 1.0)
-                ]
-                edits.append(Edit(f"{src}.add@{ly}", ly, "add", v - means[form][ly]))
-        recs_s = condition_records(sel, facts, form, seed)
-        recs_c = condition_records(conf, facts, form, seed)
-        out["forms"][form] = _select_confirm(runner, recs_s, recs_c, edits, top)
+                edits += [Edit(f"{src}.interp{a}@{ly}", ly, "interp", v, a) for a in alphas]
+                edits.append(Edit(f"{src}.add@{ly}", ly, "add", v - means[target][ly]))
+        kind = "zero" if target == "zero" else "eval"
+        recs_s = [{**r, **_as_prompt(form_prompt(facts[r["id"]], kind, form, seed))} for r in sel]
+        recs_c = [{**r, **_as_prompt(form_prompt(facts[r["id"]], kind, form, seed))} for r in conf]
+        sub = None if partial is None else partial / target
+        out["forms"][target] = _select_confirm(runner, recs_s, recs_c, edits, top, sub)
     return out
+
+
+def _as_prompt(p: Any) -> dict[str, Any]:
+    return {"messages": p} if isinstance(p, list) else {"prompt": p}
 
 
 def conversion_failures(runner: Runner, recs: Sequence[dict], res: Sequence[dict], states):
@@ -757,7 +937,8 @@ def conversion_failures(runner: Runner, recs: Sequence[dict], res: Sequence[dict
         if r["correct"]:
             out.append("correct")
             continue
-        toks = first_tokens(runner.tok, rec["prompt"], answer_sep(rec), rec["answers_en"])
+        sep = answer_sep(rec, runner.tok)
+        toks = first_tokens(runner.tok, rec.get("prompt"), sep, rec["answers_en"])
         ranks, _ = best_rank(head(h.to(runner.dev)).cpu(), toks)
         out.append(classify(False, np.concatenate([[np.nan], ranks]), n // 2, n - 1, 10))
     return out
@@ -772,44 +953,57 @@ def translation(
     scales: Sequence[float],
     top: int = 3,
     seed: int = 0,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
     """Step 3b: d = mean(zero-shot explicit conversion prompts) - mean(zero-shot recall
     prompts) of the same ~200 train facts (languages pooled), added in natural units (scale x
     the raw difference) at the last prompt token and every later token of the eval form;
     judged on all items and on the diagnosis' conversion failures."""
+    form = "chat" if "messages" in sel[0] else "completion"
+    p = (lambda n: None) if partial is None else (lambda n: partial / n)  # noqa: E731
     langs = sorted({r["lang"] for r in sel} - {"en"})
     pool = pooled_train_facts(langs)
-    groups = {"convert0": [conversion_prompt(f, 0, seed) for f in pool],
-              "zero": [query(f) for f in pool]}  # fmt: skip
-    means = pooled_means(runner.model, runner.tok, groups)
+    groups = {k: [form_prompt(f, k, form, seed) for f in pool] for k in ("convert0", "zero")}
+    means = cached_tensors(p("means.pt"), lambda: pooled_means(runner.model, runner.tok, groups))
     d = means["convert0"] - means["zero"]
     edits = [Edit(f"tr{s}@{ly}", ly, "add", d[ly], s, gen=True) for ly in layers for s in scales]
-    recs = condition_records(sel, facts, "eval", seed)
-    res, states = runner.run(recs, [None, *edits], capture=True)
-    cls = conversion_failures(runner, recs, res[0], states)
+    recs = [{**r, **_as_prompt(form_prompt(facts[r["id"]], "eval", form, seed))} for r in sel]
+
+    def select() -> dict[str, Any]:
+        res, states = runner.run(recs, [None, *edits], capture=True)
+        return {"res": _edit_results(res), "cls": conversion_failures(runner, recs, res[0], states)}
+
+    got = cached(p("select.json"), select)
+    res, cls = got["res"], got["cls"]
     conv = [i for i, c in enumerate(cls) if c == "conversion" and recs[i]["lang"] != "en"]
     sub = [recs[i] for i in conv]
     out: dict[str, Any] = {
         "d_norm": [round(float(x.norm()), 1) for x in d],
-        "classes": {c: cls.count(c) for c in set(cls)},
+        "classes": {c: cls.count(c) for c in sorted(set(cls))},
         "all": {
             e.name: compact(summarise(recs, r, res[0])) for e, r in zip(edits, res[1:], strict=True)
         },
         "conversion": {
             e.name: compact(summarise(sub, [r[i] for i in conv], [res[0][i] for i in conv]))
             for e, r in zip(edits, res[1:], strict=True)
-        },
+        }
+        if conv
+        else {},
         "n_select": len(recs),
         "n_conversion": len(conv),
     }
     best = sorted(out["all"], key=lambda n: -out["all"][n]["d_logp"])[:top]
     chosen = [e for e in edits if e.name in best]
-    rc = condition_records(conf, facts, "eval", seed)
-    cres, _ = runner.run(rc, [None, *chosen])
+    rc = [{**r, **_as_prompt(form_prompt(facts[r["id"]], "eval", form, seed))} for r in conf]
+    cres = cached(
+        p(f"confirm-{'+'.join(best)}.json"),
+        lambda: _edit_results(runner.run(rc, [None, *chosen])[0]),
+    )
     out["chosen"] = best
     out["confirmation"] = {
         e.name: summarise(rc, r, cres[0]) for e, r in zip(chosen, cres[1:], strict=True)
     }
+    out["confirmation_base"] = summarise(rc, cres[0])
     out["n_confirm"] = len(rc)
     return out
 
@@ -822,6 +1016,7 @@ WHAT: dict[str, str] = {
     "native5": "(iii) 5 query-language demonstrations",
     "mixed5": "(iv) 5 English demonstrations, query-language question",
     "english": "(v) same fact asked in English (English answer scored)",
+    "chinese": "(vii) same fact asked in Chinese (Chinese answer scored)",
     "convert": "(vi) explicit conversion, 3-shot, labels in the query language",
 }
 
@@ -868,44 +1063,55 @@ def headroom_md(h: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _best_layer(e: Mapping[str, Any], v: str, layers: Sequence[int]) -> int:
+    return max(layers, key=lambda x: e[f"{v}@{x}"]["logp"]["diff_non_en"]["diff"])
+
+
 def oracle_md(o: Mapping[str, Any]) -> list[str]:
-    e = o["edits"]
-    variants = ("replace_fact", "add_fact", "replace_rel", "add_rel")
-    head = " | ".join(f"{v} Δacc / ΔlogP" for v in variants)
-    lines = [f"| block | {head} |", "|---" * (len(variants) + 1) + "|"]
-    for ly in o["layers"]:
-        cells = []
+    lines: list[str] = []
+    for pv, po in o["pivots"].items():
+        e, sfx = po["edits"], "" if pv == "en" else f".{pv}"
+        langs = sorted({k for k in e["none"]["correct"]["per_lang"] if k != "en"})
+        lines += [
+            f"### Pivot {pv}: {po['n_items']} items ({', '.join(langs)})",
+            "",
+            "Paired against no edit, non-English mean; Δ accuracy in points / Δ mean log P(gold).",
+            "",
+        ]
+        variants = [v + sfx for v in VARIANTS]
+        lines += ["| block | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+        for ly in o["layers"]:
+            cells = [
+                f"{100 * e[f'{v}@{ly}']['correct']['diff_non_en']['diff']:+.1f} / "
+                f"{e[f'{v}@{ly}']['logp']['diff_non_en']['diff']:+.2f}"
+                for v in variants
+            ]
+            lines.append(f"| {ly} | " + " | ".join(cells) + " |")
+        lines += ["", "Best block per edit (by Δ log P on these items, so optimistic):", ""]
+        lines += ["| edit | block | Δ acc, pts [CI] | Δ log P [CI] | acc % | recall-any % |"]
+        lines += ["|---|---|---|---|---|---|"]
         for v in variants:
-            s = e[f"{v}@{ly}"]
-            cells.append(
-                f"{100 * s['correct']['diff_non_en']['diff']:+.1f} / "
-                f"{s['logp']['diff_non_en']['diff']:+.2f}"
+            ly = _best_layer(e, v, o["layers"])
+            sm = e[f"{v}@{ly}"]
+            lines.append(
+                f"| {v} | {ly} | {_ci(sm['correct']['diff_non_en'])} | "
+                f"{_ci(sm['logp']['diff_non_en'], 1, '{:+.2f}')} | {pct(sm['correct']['non_en'])}"
+                f" | {pct(sm['recall_any']['non_en'])} |"
             )
-        lines.append(f"| {ly} | " + " | ".join(cells) + " |")
-    lines += ["", "Best block per edit (by Δ log P; chosen on these items, so optimistic):", ""]
-    lines += ["| edit | block | Δ acc, pts [CI] | Δ log P [CI] | acc % | recall-any % |"]
-    lines += ["|---|---|---|---|---|---|"]
-    for v in variants:
-        ly = max(o["layers"], key=lambda x: e[f"{v}@{x}"]["logp"]["diff_non_en"]["diff"])
-        s = e[f"{v}@{ly}"]
-        lines.append(
-            f"| {v} | {ly} | {_ci(s['correct']['diff_non_en'])} | "
-            f"{_ci(s['logp']['diff_non_en'], 1, '{:+.2f}')} | {pct(s['correct']['non_en'])} | "
-            f"{pct(s['recall_any']['non_en'])} |"
-        )
-    b = e["none"]
-    selfs = [k for k in e if k.startswith("self@")]
-    lines += [
-        "",
-        f"No edit: {pct(b['correct']['non_en'])} % non-English accuracy, mean log P "
-        f"{b['logp']['non_en']:.2f}, recall-any {pct(b['recall_any']['non_en'])} %. "
-        + "".join(
-            f"Sanity `{k}` (replace with the item's own state): Δacc "
-            f"{100 * e[k]['correct']['diff_non_en']['diff']:+.2f}, Δlog P "
-            f"{e[k]['logp']['diff_non_en']['diff']:+.4f}. "
-            for k in selfs
-        ),
-    ]
+        b = e["none"]
+        selfs = [k for k in e if k.startswith("self")]
+        lines += [
+            "",
+            f"No edit: {pct(b['correct']['non_en'])} % non-English accuracy, mean log P "
+            f"{b['logp']['non_en']:.2f}, recall-any {pct(b['recall_any']['non_en'])} %. "
+            + "".join(
+                f"Sanity `{k}` (replace with the item's own state): Δacc "
+                f"{100 * e[k]['correct']['diff_non_en']['diff']:+.2f}, Δlog P "
+                f"{e[k]['logp']['diff_non_en']['diff']:+.4f}. "
+                for k in selfs
+            ),
+            "",
+        ]
     return lines
 
 
@@ -984,21 +1190,24 @@ SECTIONS: dict[str, tuple[str, Callable[[Mapping[str, Any]], list[str]]]] = {
 
 
 def oracle_plot(o: Mapping[str, Any], path: Path) -> None:
-    """Δ log P(gold) and Δ accuracy per block for each oracle edit."""
+    """Δ log P(gold) and Δ accuracy per block for each oracle edit and pivot."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for v in ("replace_fact", "add_fact", "replace_rel", "add_rel"):
-        ly = o["layers"]
-        for ax, key, k in ((axes[0], "logp", 1.0), (axes[1], "correct", 100.0)):
-            ds = [o["edits"][f"{v}@{x}"][key]["diff_non_en"] for x in ly]
-            ax.plot(ly, [k * d["diff"] for d in ds], marker="o", label=v)
-            ax.fill_between(ly, [k * d["ci95"][0] for d in ds], [k * d["ci95"][1] for d in ds],
-                            alpha=0.15)  # fmt: skip
+    ly = o["layers"]
+    for pv, po in o["pivots"].items():
+        sfx = "" if pv == "en" else f".{pv}"
+        for v in VARIANTS:
+            for ax, key, k in ((axes[0], "logp", 1.0), (axes[1], "correct", 100.0)):
+                ds = [po["edits"][f"{v}{sfx}@{x}"][key]["diff_non_en"] for x in ly]
+                ax.plot(ly, [k * d["diff"] for d in ds], marker="o", label=f"{v}{sfx}",
+                        ls="-" if pv == "en" else "--")  # fmt: skip
+                ax.fill_between(ly, [k * d["ci95"][0] for d in ds],
+                                [k * d["ci95"][1] for d in ds], alpha=0.12)  # fmt: skip
     axes[0].set(xlabel="block", ylabel="Δ mean log P(gold), non-English", title="log P")
     axes[1].set(xlabel="block", ylabel="Δ accuracy (points)", title="greedy accuracy")
     for ax in axes:
         ax.axhline(0, color="grey", lw=0.8)
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1010,16 +1219,23 @@ def write_report(report: Mapping[str, Any], out: Path) -> None:
     for name, exp in report["experiments"].items():
         lines += [f"```bash\n# {name}\n{exp['command']}\n```"]
     for name, exp in report["experiments"].items():
-        title, fn = SECTIONS.get(name, (name, lambda e: []))
+        base, _, at = name.partition("@")
+        title, fn = SECTIONS.get(base, (base, lambda e: []))
+        title += f" (part {at.replace('of', '/')})" if at else ""
         lines += ["", f"## {title}", "", exp.get("setup", ""), ""]
         lines += fn(exp)
     figs = {}
-    if "oracle" in report["experiments"]:
-        figs["oracle.png"] = lambda p: oracle_plot(report["experiments"]["oracle"], p)
+    for name, exp in report["experiments"].items():
+        if name.startswith("oracle") and len(exp["layers"]) > 1:
+            figs[f"{name.replace('@', '-')}.png"] = lambda p, e=exp: oracle_plot(e, p)
     write(out, report, "\n".join(lines) + "\n", figs, indent=1)
 
 
 # --- command line ------------------------------------------------------------------------------
+
+
+def _langs(items: Sequence[Mapping[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["lang"] for r in items))
 
 
 def _part(s: str) -> tuple[int, int]:
@@ -1042,6 +1258,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--split", default="calib", help="fact split of the evaluated items")
     p.add_argument(
+        "--langs",
+        default=None,
+        help="query languages, comma-separated (English is always added: it supplies the twins); "
+        "default all 12",
+    )
+    p.add_argument(
         "--part",
         type=_part,
         default=(0, 1),
@@ -1052,9 +1274,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oracle-limit", type=int, default=None, help="oracle items per language")
     p.add_argument("--per-relation", type=int, default=16, help="train facts per relation mean")
     p.add_argument("--layers", default=None, help="oracle blocks, e.g. 0,4,8 (default: all)")
+    p.add_argument(
+        "--pivots", default="en", help="oracle pivot languages: en, zh (zh is tried on ja, ko)"
+    )
+    p.add_argument(
+        "--form",
+        default="auto",
+        choices=("auto", "completion", "chat"),
+        help="prompt form (auto: chat for an instruction-tuned model's folder name)",
+    )
     p.add_argument("--select-part", type=_part, default=(0, 8), help="step 3 selection items")
     p.add_argument("--confirm-part", type=_part, default=(1, 2), help="step 3 confirmation items")
     p.add_argument("--tv-layers", default="2,4,6,8,10", help="task-vector blocks")
+    p.add_argument(
+        "--tv-targets", default="zero,eval", help="forms task vectors are applied to (completion)"
+    )
+    p.add_argument("--tv-sources", default="en,native,mixed", help="task-vector demonstrations")
+    p.add_argument("--tv-alphas", default="0.25,0.5,1", help="task-vector interpolation weights")
     p.add_argument("--tr-layers", default="12,13,14,15,16,17", help="translation blocks")
     p.add_argument("--tr-scales", default="0.5,1,2", help="translation scales (x raw difference)")
     p.add_argument("--top", type=int, default=3, help="step 3 edits confirmed per search")
@@ -1067,17 +1303,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from steerserve.models import load_hf_model
+    from steerserve.models import load_hf_model, resolve_model
+    from steerserve.research.records import default_form
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     model, tok = load_hf_model(args.model)
+    form = default_form(resolve_model(args.model), args.form)
     runner = Runner(model, tok, args.batch_size)
     facts = fact_index(args.split)
     path = args.out / "report.json"
     report = json.loads(path.read_text()) if path.is_file() else {"experiments": {}}
     report["model"] = args.model
+    report["form"] = form
     command = "python -m steerserve.research.ceilings " + shlex.join(
         sys.argv[1:] if argv is None else list(argv)
     )
@@ -1085,32 +1324,55 @@ def main(argv: Sequence[str] | None = None) -> None:
     def part(p: tuple[int, int]) -> str:
         return f"every {p[1]}-th fact of each relation from the {p[0]}-th, {args.split} split"
 
+    langs = None if args.langs is None else sorted({"en", *args.langs.split(",")}, key=LANGS.index)
     for name in args.experiments.split(","):
         t0 = time.perf_counter()
         if name == "headroom":
-            items = eval_records(args.split, part=args.part, limit_per_lang=args.limit_per_lang)
-            exp = headroom(runner, items, facts, args.seed)
-            setup = f"{len(items)} items ({part(args.part)}, all 12 languages)."
-        elif name == "oracle":
+            key = f"headroom@{args.part[0]}of{args.part[1]}"
             items = eval_records(
-                args.split, part=args.oracle_part, limit_per_lang=args.oracle_limit
+                args.split,
+                langs=langs,
+                part=args.part,
+                limit_per_lang=args.limit_per_lang,
+                form=form,
+            )
+            exp = headroom(runner, items, facts, args.seed, args.out / "partial" / key)
+            setup = f"{len(items)} items ({part(args.part)}; languages {', '.join(_langs(items))})."
+        elif name == "oracle":
+            key = f"oracle@{args.oracle_part[0]}of{args.oracle_part[1]}"
+            items = eval_records(
+                args.split,
+                langs=langs,
+                part=args.oracle_part,
+                limit_per_lang=args.oracle_limit,
+                form=form,
             )
             layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
-            exp = oracle(runner, items, facts, args.per_relation, layers, args.seed)
+            pivots = args.pivots.split(",")
+            exp = oracle(runner, items, facts, args.per_relation, layers, args.seed, pivots,
+                         args.out / "partial" / key)  # fmt: skip
             setup = (
-                f"{exp['n_items']} non-English items ({part(args.oracle_part)}); "
-                f"relation means over {args.per_relation} train facts per relation and language."
+                f"{len(items)} items ({part(args.oracle_part)}; languages "
+                f"{', '.join(_langs(items))}); pivots {', '.join(pivots)} (zh tried on "
+                f"{', '.join(PIVOTS['zh'] or ())}); relation means over {args.per_relation} train "
+                "facts per relation and language."
             )
         elif name in ("taskvec", "translation"):
-            sel = eval_records(args.split, part=args.select_part)
-            conf = eval_records(args.split, part=args.confirm_part)
+            key = name
+            sel = eval_records(args.split, langs=langs, part=args.select_part, form=form)
+            conf = eval_records(args.split, langs=langs, part=args.confirm_part, form=form)
+            sub = args.out / "partial" / key
             if name == "taskvec":
                 lys = [int(x) for x in args.tv_layers.split(",")]
-                exp = task_vectors(runner, sel, conf, facts, lys, args.top, args.seed)
+                exp = task_vectors(
+                    runner, sel, conf, facts, lys, args.top, args.seed,
+                    args.tv_targets.split(","), args.tv_sources.split(","),
+                    [float(x) for x in args.tv_alphas.split(",")], sub,
+                )  # fmt: skip
             else:
                 lys = [int(x) for x in args.tr_layers.split(",")]
                 scales = [float(x) for x in args.tr_scales.split(",")]
-                exp = translation(runner, sel, conf, facts, lys, scales, args.top, args.seed)
+                exp = translation(runner, sel, conf, facts, lys, scales, args.top, args.seed, sub)
             setup = (
                 f"Selected by paired Δ mean log P(gold) on {len(sel)} items "
                 f"({part(args.select_part)}), the best {args.top} confirmed on {len(conf)} others "
@@ -1120,7 +1382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"unknown experiment {name!r}")
         exp["command"] = command
         exp["setup"] = setup + f" Ran in {time.perf_counter() - t0:.0f} s."
-        report["experiments"][name] = exp
+        report["experiments"][key] = exp
         write_report(report, args.out)
         log.info("%s done in %.0f s -> %s", name, time.perf_counter() - t0, args.out)
 

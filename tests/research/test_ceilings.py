@@ -23,6 +23,15 @@ for r in RECORDS:
     r["answers_en"] = ["Paris"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared CPU: a second thread only waits at barriers (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_gemma: Path) -> Runner:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -79,14 +88,91 @@ def test_add_with_gen_equals_reference_steering(runner: Runner) -> None:
 
 
 def test_decided_and_summary() -> None:
-    assert not decided(" Par", ["Paris"], [])
-    assert decided(" Paris", ["Paris"], [])
-    assert decided(" Rome", ["Paris"], ["Paris"])
-    assert not decided(" Pa", ["Parigi"], ["Paris"])
-    assert decided(" Pa\n", ["Parigi"], [])
+    paris = {"answers": ["Paris"], "answers_en": []}
+    parigi = {"answers": ["Parigi"], "answers_en": ["Paris"]}
+    assert not decided(" Par", paris)
+    assert decided(" Paris", paris)
+    assert decided(" Rome", {"answers": ["Paris"], "answers_en": ["Paris"]})
+    assert not decided(" Pa", parigi)
+    assert decided(" Pa\n", parigi)
+    chat = {"messages": [], "answers": ["Paris"]}
+    assert not decided("Rome", chat)  # a chat reply may still name the answer later
+    assert decided("It is Paris", chat)
+    assert decided("Rome\n", chat)
     recs = [{"lang": lang} for lang in ("en", "fr", "fr", "ja")]
-    res = [{k: x for k in ("correct", "logp", "logp_tok", "english", "recall_any")}
+    res = [{k: x for k in ("correct", "logp", "logp_tok", "english", "chinese", "recall_any")}
            for x in (1.0, 0.0, 1.0, 1.0)]  # fmt: skip
     s = summarise(recs, res, res)
     assert s["correct"]["non_en"] == pytest.approx(0.75)  # mean of fr 0.5 and ja 1.0
     assert s["logp"]["diff_non_en"]["diff"] == 0.0
+
+
+CHAT = {
+    "id": "c",
+    "lang": "ja",
+    "messages": [
+        {"role": "system", "content": "名前だけで答えてください。"},
+        {"role": "user", "content": "フランスの首都はどこですか？"},
+    ],
+    "answers": ["パリ", "巴里"],
+    "answers_en": ["Paris"],
+    "answers_zh": ["巴黎"],
+}
+
+
+def test_chat_records_are_rendered_as_served_and_scored_by_the_chat_rule(runner: Runner) -> None:
+    from steerserve.chat import chat_ids
+    from steerserve.research.scoring import score_record
+
+    ids, aliases = encode(runner.tok, CHAT)
+    assert ids == chat_ids(runner.tok, CHAT["messages"])
+    assert aliases == [runner.tok("パリ", add_special_tokens=False)["input_ids"],
+                       runner.tok("巴里", add_special_tokens=False)["input_ids"]]  # fmt: skip
+    (res,), _ = runner.run([CHAT], progress=False)
+    best = -float("inf")
+    for a in aliases:
+        with torch.no_grad():
+            lp = runner.model(torch.tensor([ids + a])).logits[0].float().log_softmax(-1)
+        best = max(best, sum(float(lp[len(ids) - 1 + k, t]) for k, t in enumerate(a)))
+    assert res[0]["logp"] == pytest.approx(best, abs=1e-4)
+    toks, _ = greedy(runner.model, ids, 8)
+    text = runner.tok.decode([t for t in toks if t != 2], skip_special_tokens=True)
+    assert res[0]["correct"] == score_record(CHAT, text).correct
+
+
+def test_conditions_keep_the_form_and_the_answers() -> None:
+    from steerserve.research.ceilings import condition_records, conditions, fact_index
+    from steerserve.research.facts import eval_records
+
+    facts = fact_index("calib")
+    for form in ("completion", "chat"):
+        items = eval_records("calib", langs=["ja"], limit_per_lang=1, form=form)
+        for cond in conditions(form):
+            (rec,) = condition_records(items, facts, cond)
+            assert ("messages" in rec) == (form == "chat") != ("prompt" in rec)
+            assert rec["answers"] == items[0]["answers"]
+    assert "zero" not in conditions("chat")  # the chat's evaluation form is zero-shot
+    chat = eval_records("calib", langs=["ja"], limit_per_lang=1, form="chat")
+    (mixed,) = condition_records(chat, facts, "mixed5")
+    assert len(mixed["messages"]) == 12 and mixed["messages"][-1] == chat[0]["messages"][-1]
+    assert mixed["messages"][1]["content"].isascii()  # English demonstrations
+
+
+def test_oracle_pivots_sanity_and_resume(runner: Runner, tmp_path: Path) -> None:
+    from steerserve.research.ceilings import fact_index, oracle
+    from steerserve.research.facts import eval_records
+
+    items = eval_records("calib", langs=["en", "zh", "ja"], limit_per_lang=1)
+    facts = fact_index("calib")
+    kw = dict(per_relation=1, layers=[0, 3], pivots=("en", "zh"), partial=tmp_path, group=1)
+    out = oracle(runner, items, facts, **kw)
+    assert out["pivots"]["en"]["n_items"] == 2 and out["pivots"]["zh"]["n_items"] == 1
+    for pv, sfx in (("en", ""), ("zh", ".zh")):
+        e = out["pivots"][pv]["edits"]
+        assert e[f"self{sfx}@2"]["logp"]["diff_non_en"]["diff"] == pytest.approx(0, abs=1e-4)
+        assert {f"replace_fact{sfx}@3", f"add_rel{sfx}@0"} <= set(e)
+    # a rerun reads every piece back instead of running the model
+    broken = Runner.__new__(Runner)
+    broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
+    again = oracle(broken, items, facts, **kw)
+    assert again["pivots"] == out["pivots"]
