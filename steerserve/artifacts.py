@@ -433,17 +433,52 @@ def find_artifacts(root: str | Path) -> list[Path]:
     return sorted(p.parent for p in root.rglob(MANIFEST_FILE))
 
 
-def artifacts_for_model(root: str | Path, model_dir: str | Path) -> list[Artifact]:
-    """The verified artifacts under ``root`` bound to this model; others are skipped and logged."""
+@dataclass(frozen=True)
+class Scanned:
+    """One artifact directory as found under a root: loaded and verified for the model, or the
+    reason it was refused (``other_model``: it is bound to another model)."""
+
+    path: Path
+    name: str
+    version: str
+    artifact: Artifact | None = None
+    refused: str | None = None
+    other_model: bool = False
+
+
+def scan_artifacts(root: str | Path, model_dir: str | Path) -> list[Scanned]:
+    """Every artifact directory under ``root``, loaded and verified for this model (name and
+    version from its manifest, or from its path when the manifest is unreadable)."""
     expect = binding_for_model(model_dir)
     out = []
     for p in find_artifacts(root):
+        rel = p.relative_to(root).parts if p != Path(root) else ()
+        name, version = (rel[-2], rel[-1]) if len(rel) >= 2 else ("", rel[-1] if rel else "")
         try:
-            out.append(load_artifact(p, expect=expect))
+            art = load_artifact(p, expect=expect)
+            out.append(Scanned(p, art.manifest.name, art.manifest.version, art))
+            continue
         except ModelMismatch as e:
-            log.info("skipping %s: %s", p, e)
+            refused, other = str(e), True
         except ArtifactError as e:
-            log.warning("skipping %s: %s", p, e)
+            refused, other = str(e), False
+        try:
+            m = read_manifest(p)
+            name, version = m.name, m.version
+        except ArtifactError:
+            pass
+        out.append(Scanned(p, name, version, refused=refused, other_model=other))
+    return out
+
+
+def artifacts_for_model(root: str | Path, model_dir: str | Path) -> list[Artifact]:
+    """The verified artifacts under ``root`` bound to this model; others are skipped and logged."""
+    out = []
+    for s in scan_artifacts(root, model_dir):
+        if s.artifact is not None:
+            out.append(s.artifact)
+        else:
+            (log.info if s.other_model else log.warning)("skipping %s: %s", s.path, s.refused)
     return out
 
 

@@ -31,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_artifact(root: Path, model: Path, version: str, seed: int = 0) -> Path:
+def make_artifact(root: Path, model: Path, version: str, seed: int = 0, name: str = "tiny") -> Path:
     """A two-intervention artifact for ``model`` (random directions, large enough to change
     greedy answers of the tiny model)."""
     from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
@@ -39,7 +39,7 @@ def make_artifact(root: Path, model: Path, version: str, seed: int = 0) -> Path:
     g = torch.Generator().manual_seed(seed)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     manifest = Manifest(
-        name="tiny",
+        name=name,
         version=version,
         model=binding_for_model(model),
         interventions=[
@@ -56,9 +56,25 @@ def make_artifact(root: Path, model: Path, version: str, seed: int = 0) -> Path:
         ],
     )
     tensors = {k: torch.randn(hidden, generator=g) for k in ("recall", "translation")}
-    path = root / "tiny" / version
+    path = root / name / version
     save_artifact(path, manifest, tensors)
     return path
+
+
+def corrupt(path: Path, kind: str) -> str:
+    """Damage the artifact at ``path``; the words its refusal names."""
+    manifest = path / "manifest.json"
+    if kind == "sha256":
+        m = json.loads(manifest.read_text())
+        m["interventions"][0]["sha256"] = "0" * 64
+        manifest.write_text(json.dumps(m))
+        return "sha256"
+    if kind == "truncated tensors":
+        data = (path / "vectors.safetensors").read_bytes()
+        (path / "vectors.safetensors").write_bytes(data[: len(data) // 2])
+        return "unreadable"
+    manifest.write_text("{not json")
+    return "invalid JSON"
 
 
 class Server:
@@ -755,6 +771,53 @@ def test_vectors_list_and_load(http: httpx.Client, vectors_dir: Path, tiny_llama
     finally:
         r = http.post("/v1/steering/vectors", json={"name": "tiny/v1", "default": True})
         assert r.status_code == 200 and r.json()["default"] == "tiny/v1"
+
+
+def test_admin_load_names_the_refusal(
+    http: httpx.Client, vectors_dir: Path, tiny_llama: Path, tiny_gemma: Path
+) -> None:
+    """An artifact that exists but cannot be loaded is a 422 with the reason, not a 404."""
+    for kind in ("sha256", "truncated tensors", "manifest"):
+        name = f"broken-{kind.split()[0]}"
+        path = make_artifact(vectors_dir, tiny_llama, "v1", name=name)
+        words = corrupt(path, kind)
+        r = http.post("/v1/steering/vectors", json={"name": f"{name}/v1"})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "artifact_refused" and words in err["message"], err
+        assert http.post("/v1/steering/vectors", json={"name": name}).status_code == 422
+    make_artifact(vectors_dir, tiny_gemma, "v1", name="gemma-only")
+    r = http.post("/v1/steering/vectors", json={"name": "gemma-only"})
+    assert r.status_code == 422 and "different model" in r.json()["error"]["message"], r.text
+    assert "broken-sha256/v1" not in http.get("/v1/steering/vectors").text
+
+
+@pytest.mark.parametrize(
+    "steering,kind", [("auto", "sha256"), ("auto", "truncated tensors"), ("auto", "manifest"),
+                      ("on", "sha256"), ("off", "sha256")],
+)  # fmt: skip
+def test_corrupt_artifact_refuses_start(
+    tiny_llama: Path, tmp_path: Path, steering: str, kind: str
+) -> None:
+    """A corrupt artifact for the served model stops the start (before the engine loads) under
+    every policy, naming the artifact and the reason: /ready says "failed" (the CLI exits 1).
+    Before, ``auto`` came up ready with steering silently off."""
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    make_artifact(tmp_path, tiny_llama, "v1")
+    words = corrupt(make_artifact(tmp_path, tiny_llama, "v2", seed=1), kind)
+    cfg = EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    srv = Server(
+        create_app(ServerSettings(engine=cfg, vectors_dir=str(tmp_path), steering=steering))
+    )
+    try:
+        with pytest.raises(RuntimeError) as e:
+            srv.start(timeout=120)
+        assert "failed verification" in str(e.value) and words in str(e.value)
+        assert str(tmp_path / "tiny" / "v2") in str(e.value)
+    finally:
+        srv.stop()
 
 
 # --- the request path ---------------------------------------------------------------------------

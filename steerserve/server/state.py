@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steerserve.artifacts import Artifact, artifacts_for_model, newest_first
+from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts, version_key
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
 from steerserve.server.metrics import Metrics
@@ -67,10 +67,11 @@ class ServerState:
         """Start the engine, register the artifacts made for this model (the first of
         :func:`newest_first` becomes the default), fall back to ``off`` without one."""
         try:
+            found = await asyncio.to_thread(self._scan) if self.backend.cfg.steering else []
+            check_artifacts(found)  # before the engine: a refusal costs no engine start
             await self.backend.start()
-            if self.backend.cfg.steering:
-                for art in newest_first(await asyncio.to_thread(self._artifacts)):
-                    await self.add_artifact(art)
+            for art in newest_first(s.artifact for s in found if s.artifact is not None):
+                await self.add_artifact(art)
             if self.policy.default_artifact is None and self.policy.default != "off":
                 if self.policy.default == "on":
                     raise RuntimeError(
@@ -98,12 +99,12 @@ class ServerState:
             if self.settings.exit_on_load_failure:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    def _artifacts(self) -> list[Artifact]:
-        """The verified artifacts in the vectors directory bound to this model."""
+    def _scan(self) -> list[Scanned]:
+        """The artifact directories under the vectors directory, verified for this model."""
         root = self.settings.vectors_dir
         if root is None or not Path(root).is_dir():
             return []
-        return artifacts_for_model(root, self.settings.engine.model)
+        return scan_artifacts(root, self.settings.engine.model)
 
     async def add_artifact(self, art: Artifact, make_default: bool = False) -> Artifact:
         for name, tensor in art.named_vectors().items():
@@ -143,22 +144,51 @@ class ServerState:
             )
         if not self.backend.cfg.steering:
             raise ApiError("this server was built without the steering plugin", param="name")
-        name, _, version = ref.partition("/")
-        found = [
-            a
-            for a in await asyncio.to_thread(self._artifacts)
-            if a.manifest.name == name and (not version or a.manifest.version == version)
-        ]
-        if not found:
-            raise ApiError(
-                f"name: no artifact {ref!r} for this model in the vectors directory",
-                status=404,
-                param="name",
-                code="artifact_not_found",
-            )
+        art = await self._find(ref)
         try:
-            loaded = await self.add_artifact(newest_first(found)[0], make_default=make_default)
+            loaded = await self.add_artifact(art, make_default=make_default)
         except ValueError as e:  # same name/version, other data: artifacts are immutable
             raise ApiError(str(e), status=409, param="name", code="conflict") from None
         logger.info("loaded artifact %s (default: %s)", loaded.key, self.policy.default_artifact)
         return {"loaded": loaded.key, **self.listing()}
+
+    async def _find(self, ref: str) -> Artifact:
+        """``name/version``, or ``name``'s newest version, from the vectors directory: 404 when
+        there is none, 422 with the reason when it fails verification or fits another model."""
+        name, _, version = ref.partition("/")
+        found = [
+            s
+            for s in await asyncio.to_thread(self._scan)
+            if s.name == name and (not version or s.version == version)
+        ]
+        if not found:
+            raise ApiError(
+                f"name: no artifact {ref!r} in the vectors directory",
+                status=404,
+                param="name",
+                code="artifact_not_found",
+            )
+        newest = max(found, key=lambda s: version_key(s.version))
+        if newest.artifact is None:
+            raise ApiError(
+                f"name: {newest.name}/{newest.version} cannot be loaded: {newest.refused}",
+                status=422,
+                param="name",
+                code="artifact_refused",
+            )
+        return newest.artifact
+
+
+def check_artifacts(found: list[Scanned]) -> None:
+    """Every artifact made for this model must verify: one that does not (corrupt manifest or
+    tensors, sha256 mismatch...) stops the start, under every policy, since serving on would
+    silently answer without the steering asked for, or with an older version of it. Artifacts
+    bound to other models are skipped."""
+    bad = [s for s in found if s.refused and not s.other_model]
+    if bad:
+        raise RuntimeError(
+            "artifacts failed verification: " + "; ".join(f"{s.path}: {s.refused}" for s in bad)
+        )
+    for s in found:
+        if s.other_model:
+            logger.info("skipping %s: %s", s.path, s.refused)
