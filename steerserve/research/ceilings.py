@@ -210,8 +210,10 @@ def decided(text: str, rec: Mapping[str, Any]) -> bool:
 class Edit:
     """An edit at the output of block ``layer``: at the last prompt token ``replace`` (h <- v),
     ``add`` (h <- h + alpha v) or ``interp`` (h <- (1 - alpha) h + alpha v); with ``gen`` also
-    h <- h + alpha v at every later token (the engine's ``last_prompt_and_generated``).
-    ``vec`` is ``[H]`` (one vector) or ``[N, H]`` (row i for item i of the run)."""
+    h <- h + alpha v at every later token (the engine's ``last_prompt_and_generated``); with
+    ``prompt`` also at every earlier prompt token (``all``); without ``at_last`` nothing at the
+    last prompt token (``generated``). ``vec`` is ``[H]`` (one vector) or ``[N, H]`` (row i for
+    item i of the run)."""
 
     name: str
     layer: int
@@ -219,11 +221,15 @@ class Edit:
     vec: torch.Tensor
     alpha: float = 1.0
     gen: bool = False
+    prompt: bool = False
+    at_last: bool = True
 
     def _v(self, rows: torch.Tensor) -> torch.Tensor:
         return self.vec if self.vec.dim() == 1 else self.vec[rows]
 
     def last(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if not self.at_last:
+            return h
         v = self._v(rows).to(h.dtype)
         if self.kind == "replace":
             return v.expand_as(h).clone()
@@ -233,23 +239,58 @@ class Edit:
             return (1 - self.alpha) * h + self.alpha * v
         raise ValueError(f"unknown edit kind {self.kind!r}")
 
-    def later(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if not self.gen:
-            return h
+    def _added(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         v = self._v(rows).to(h.dtype)
         return h + self.alpha * (v.view(1, 1, -1) if v.dim() == 1 else v.unsqueeze(1))
+
+    def later(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self._added(h, rows) if self.gen else h
+
+    def early(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self._added(h, rows) if self.prompt else h
+
+
+#: What one pass applies: nothing, one edit, or several (added up, in order, like engine entries).
+Step = Edit | Sequence[Edit] | None
+
+
+def _edits(step: Step) -> tuple[Edit, ...]:
+    return () if step is None else (step,) if isinstance(step, Edit) else tuple(step)
+
+
+def step_name(step: Step) -> str:
+    return "+".join(e.name for e in _edits(step)) or "none"
+
+
+def entry_edits(entries: Sequence[Any], vectors: Mapping[str, torch.Tensor]) -> tuple[Edit, ...]:
+    """Engine steering entries (``SteeringEntry``: vector, layer, scale, positions) as one step
+    of additive edits with the engine's position semantics."""
+    return tuple(
+        Edit(
+            f"{e.vector}@{e.layer}x{e.scale:g}/{e.positions}",
+            e.layer,
+            "add",
+            vectors[e.vector].float(),
+            e.scale,
+            gen=True,
+            prompt=e.positions == "all",
+            at_last=e.positions != "generated",
+        )
+        for e in entries
+    )
 
 
 class Hooks:
     """One forward hook per decoder block, driven by mutable fields (registered once per run).
 
-    ``phase`` "last": the input is the last prompt token (one column), edited by ``edit.last``
-    and captured into ``capture`` if set; "later": answer/generated tokens, ``edit.later``.
-    ``rows`` maps the current batch rows to item indices (for per-item vectors)."""
+    ``phase`` "prefix": earlier prompt tokens, edited by ``Edit.early``; "last": the last prompt
+    token (one column), edited by ``Edit.last`` and captured into ``capture`` if set; "later":
+    answer/generated tokens, ``Edit.later``. ``rows`` maps the current batch rows to item
+    indices (for per-item vectors)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers = decoder_layers(model)
-        self.edit: Edit | None = None
+        self.edits: tuple[Edit, ...] = ()
         self.phase = "last"
         self.rows = torch.zeros(0, dtype=torch.long)
         self.capture: list[torch.Tensor | None] | None = None
@@ -258,11 +299,14 @@ class Hooks:
     def _hook(self, i: int) -> Callable[..., Any]:
         def f(module: Any, args: Any, output: Any) -> Any:  # noqa: ARG001
             h = output[0] if isinstance(output, tuple) else output
-            e = self.edit
-            if e is not None and e.layer == i:
+            for e in self.edits:
+                if e.layer != i:
+                    continue
                 if self.phase == "last":
                     h = h.clone()
                     h[:, -1] = e.last(h[:, -1], self.rows)
+                elif self.phase == "prefix":
+                    h = e.early(h, self.rows)
                 else:
                     h = e.later(h, self.rows)
             if self.capture is not None and self.phase == "last":
@@ -316,12 +360,13 @@ class Runner:
     def run(
         self,
         records: Sequence[Mapping[str, Any]],
-        edits: Sequence[Edit | None] = (None,),
+        edits: Sequence[Step] = (None,),
         capture: bool = False,
         progress: bool = True,
     ) -> tuple[list[list[dict]], torch.Tensor | None]:
-        """Results ``[edit][item]``; with ``capture``, the unedited last-token output of every
-        block ``[N, L, H]`` (float32), taken in the first edit's pass (pass ``None`` first)."""
+        """Results ``[step][item]`` (a step: no edit, one, or several added up); with
+        ``capture``, the last-token output of every block ``[N, L, H]`` (float32), taken in the
+        first step's pass (pass ``None`` first for unedited states)."""
         enc = [encode(self.tok, r) for r in records]
         order = sorted(range(len(enc)), key=lambda i: (len(enc[i][0]), i))
         out: list[list[dict | None]] = [[None] * len(records) for _ in edits]
@@ -353,14 +398,22 @@ class Runner:
     def _prefix(self, idx: list[int], enc: Sequence[tuple[list[int], Any]]) -> _Batch:
         """Left-pad the batch and run every column but the last (the KV every edit reuses)."""
         b = left_padded([enc[i][0] for i in idx], self.pad)
-        self.hooks.edit, self.hooks.phase = None, "prefix"
+        rows = torch.tensor(idx)
+        return _Batch(
+            rows, b.ids, b.mask, b.positions, self._prefix_kv(b.ids, b.mask, b.positions, rows)
+        )
+
+    def _prefix_kv(self, ids, mask, pos, rows, edits: tuple[Edit, ...] = ()) -> Any:  # noqa: ANN001
+        """KV of every column but the last, with ``edits``' prompt-token additions (if any)."""
+        self.hooks.edits, self.hooks.phase, self.hooks.rows = edits, "prefix", rows
         out = self.decoder(
-            input_ids=b.ids[:, :-1].to(self.dev),
-            attention_mask=b.mask[:, :-1].to(self.dev),
-            position_ids=b.positions[:, :-1].to(self.dev),
+            input_ids=ids[:, :-1].to(self.dev),
+            attention_mask=mask[:, :-1].to(self.dev),
+            position_ids=pos[:, :-1].to(self.dev),
             use_cache=True,
         )
-        return _Batch(torch.tensor(idx), b.ids, b.mask, b.positions, out.past_key_values)
+        self.hooks.edits = ()
+        return out.past_key_values
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
         """Final-norm hidden states ``[R, T, H]``; the LM head runs only where it is needed (a
@@ -393,18 +446,22 @@ class Runner:
         out_lp[valid], out_am[valid] = lp, am
         return out_lp, out_am
 
-    def _pass(self, b: _Batch, edit: Edit | None, enc: Sequence, records: Sequence, cap: bool):
+    def _pass(self, b: _Batch, step: Step, enc: Sequence, records: Sequence, cap: bool):
         hk = self.hooks
-        hk.edit, hk.phase, hk.rows = edit, "last", b.rows
+        edits = _edits(step)
+        if any(e.prompt for e in edits):  # positions "all": this step's own prompt KV
+            cache = self._prefix_kv(b.ids, b.mask, b.pos, b.rows, edits)
+        else:
+            cache = copy.deepcopy(b.cache)
+        hk.edits, hk.phase, hk.rows = edits, "last", b.rows
         hk.capture = [None] * self.num_layers if cap else None
-        cache = copy.deepcopy(b.cache)
         h = self._hidden(b.ids[:, -1:], b.mask, b.pos[:, -1:], cache)[:, -1]
         lp0 = torch.log_softmax(self._logits(h), -1).cpu()
         hk.phase = "later"
         recs = [records[i] for i in b.rows.tolist()]
         logp, paths = self._teacher_forced(b, cache, lp0, [enc[i][1] for i in b.rows.tolist()])
         texts = self._greedy(b, cache, lp0, recs, paths)
-        hk.edit = None
+        hk.edits = ()
         res = []
         for r, rec in enumerate(recs):
             s = score_record(rec, texts[r])
@@ -574,13 +631,29 @@ def cached(path: Path | None, fn: Callable[[], Any]) -> Any:
     if path is not None and path.is_file():
         log.info("reusing %s", path)
         return json.loads(path.read_text())
+    t0 = time.perf_counter()
     out = fn()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(out, ensure_ascii=False))
         tmp.replace(path)
+        _record_seconds(path, time.perf_counter() - t0)
     return out
+
+
+def _record_seconds(path: Path, seconds: float) -> None:
+    """Keep how long the piece at ``path`` took in its folder's ``seconds.json``, so a
+    resumed run still reports the compute it took."""
+    f = path.parent / "seconds.json"
+    d = json.loads(f.read_text()) if f.is_file() else {}
+    d[path.name] = round(seconds, 1)
+    f.write_text(json.dumps(d, indent=1, sort_keys=True) + "\n")
+
+
+def spent(folder: Path) -> float:
+    """Seconds the pieces kept under ``folder`` took when they were computed."""
+    return sum(sum(json.loads(f.read_text()).values()) for f in folder.rglob("seconds.json"))
 
 
 def headroom(
@@ -702,11 +775,13 @@ def cached_tensors(path: Path | None, fn: Callable[[], Any]) -> Any:
     if path is not None and path.is_file():
         log.info("reusing %s", path)
         return torch.load(path, weights_only=False)
+    t0 = time.perf_counter()
     out = fn()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(out, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)
+        _record_seconds(path, time.perf_counter() - t0)
     return out
 
 
@@ -1381,8 +1456,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             raise SystemExit(f"unknown experiment {name!r}")
         exp["command"] = command
-        exp["setup"] = setup + f" Ran in {time.perf_counter() - t0:.0f} s."
-        report["experiments"][key] = exp
+        took = spent(args.out / "partial" / key) or time.perf_counter() - t0
+        exp["setup"] = setup + f" Compute: {took / 60:.0f} min ({args.threads} thread(s))."
+        # another run may have written its experiment meanwhile: merge, do not overwrite
+        report = json.loads(path.read_text()) if path.is_file() else report
+        report |= {"model": args.model, "form": form}
+        report.setdefault("experiments", {})[key] = exp
         write_report(report, args.out)
         log.info("%s done in %.0f s -> %s", name, time.perf_counter() - t0, args.out)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research.ceilings import Edit, Runner, decided, encode, summarise
+from steerserve.research.ceilings import Edit, Runner, decided, encode, entry_edits, summarise
 from steerserve.research.reference import greedy, phases, steering_hooks
 from steerserve.research.scoring import score
 
@@ -78,13 +78,23 @@ def test_replacing_a_state_by_itself_changes_nothing(runner: Runner) -> None:
             assert a["logp"] == pytest.approx(b["logp"], abs=1e-4)
 
 
-def test_add_with_gen_equals_reference_steering(runner: Runner) -> None:
-    v = torch.randn(runner.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    (res,), _ = runner.run(RECORDS, [Edit("add", 1, "add", v, alpha=0.7, gen=True)], False, False)
-    entry = SteeringEntry("v", 1, 0.7, "last_prompt_and_generated")
+@pytest.mark.parametrize("positions", ["last_prompt_and_generated", "all", "generated", "pair"])
+def test_entries_equal_reference_steering(runner: Runner, positions: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    vecs = {n: torch.randn(runner.model.config.hidden_size, generator=g) for n in ("v", "w")}
+    if positions == "pair":  # two entries in one step add up, as in the engine
+        entries = [SteeringEntry("v", 1, 0.7, "last_prompt_and_generated"),
+                   SteeringEntry("w", 2, -0.5, "all")]  # fmt: skip
+    else:
+        entries = [SteeringEntry("v", 1, 0.7, positions)]
+    (res,), _ = runner.run(RECORDS, [entry_edits(entries, vecs)], False, False)
     for rec, r in zip(RECORDS, res, strict=True):
-        assert r["logp"] == pytest.approx(_forced_logp(runner, rec, [entry], {"v": v}), abs=1e-3)
+        assert r["logp"] == pytest.approx(_forced_logp(runner, rec, entries, vecs), abs=1e-3)
         assert r["logp"] != pytest.approx(_forced_logp(runner, rec), abs=1e-3)
+        ids, _ = encode(runner.tok, rec)
+        toks, _ = greedy(runner.model, ids, 8, entries, vecs)
+        text = runner.tok.decode(toks, skip_special_tokens=True)
+        assert r["correct"] == score(text, rec["answers"], ["Paris"]).correct
 
 
 def test_decided_and_summary() -> None:
