@@ -656,22 +656,38 @@ def spent(folder: Path) -> float:
     return sum(sum(json.loads(f.read_text()).values()) for f in folder.rglob("seconds.json"))
 
 
+def first_per_lang(items: Sequence[Mapping[str, Any]], n: int | None) -> list[int]:
+    """Indices of the first ``n`` items of each language (all with ``None``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for i, r in enumerate(items):
+        seen[r["lang"]] = seen.get(r["lang"], 0) + 1
+        if n is None or seen[r["lang"]] <= n:
+            out.append(i)
+    return out
+
+
 def headroom(
     runner: Runner,
     items: Sequence[dict],
     facts: Mapping[str, Fact],
     seed: int = 0,
     partial: Path | None = None,
+    limits: Mapping[str, int] | None = None,
 ):
-    """Step 1: every prompt condition on the same items, no vectors; paired against ``eval``.
+    """Step 1: every prompt condition on the same items, no vectors; paired against ``eval``
+    (a condition in ``limits`` on the first N items of each language only, paired on those).
     With ``partial``, each condition's per-item results are kept there (resumable)."""
     res: dict[str, list[dict]] = {}
+    idx: dict[str, list[int]] = {}
     timing: dict[str, float] = {}
     for cond in conditions("chat" if "messages" in items[0] else "completion"):
         t0 = time.perf_counter()
+        idx[cond] = first_per_lang(items, None if cond == "eval" else (limits or {}).get(cond))
+        sub = [items[i] for i in idx[cond]]
 
-        def run(cond: str = cond) -> list[dict]:
-            return _slim(runner.run(condition_records(items, facts, cond, seed))[0][0])
+        def run(cond: str = cond, sub: list[dict] = sub) -> list[dict]:
+            return _slim(runner.run(condition_records(sub, facts, cond, seed))[0][0])
 
         res[cond] = cached(None if partial is None else partial / f"{cond}.json", run)
         timing[cond] = round(time.perf_counter() - t0, 1)
@@ -683,11 +699,29 @@ def headroom(
             f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == twin_lang
         }
         if row:  # (v) asked in English / (vii) asked in Chinese: the twin's eval-form result
-            res[name] = [base[row[f]] for f in fid]
-    twin = res["english"]
-    out: dict[str, Any] = {"conditions": {c: summarise(items, r, base) for c, r in res.items()}}
-    conv = res["convert"]
-    sets = {  # what each ceiling could add, counted on the eval form's wrong answers
+            res[name], idx[name] = [base[row[f]] for f in fid], idx["eval"]
+    out: dict[str, Any] = {
+        "conditions": {
+            c: summarise([items[i] for i in idx[c]], r, [base[i] for i in idx[c]])
+            for c, r in res.items()
+        },
+        "n_items": {c: len(idx[c]) for c in res},
+    }
+    out["shares"] = _shares(items, res, idx)
+    out["seconds"] = timing
+    out["items"] = {c: _slim(r) for c, r in res.items() if c not in ("english", "chinese")}
+    out["ids"] = {c: [items[i]["id"] for i in idx[c]] for c in res}
+    return out
+
+
+def _shares(items: Sequence[dict], res: Mapping[str, list[dict]], idx: Mapping[str, list[int]]):
+    """What each ceiling could add, counted on the evaluation form's answers: the shares of
+    items answered right when asked in the pivot language (English, Chinese), converted right
+    when given the English answer, and both among the evaluation form's wrong answers."""
+    base, conv, twin = res["eval"], res["convert"], res["english"]
+    if idx["convert"] != idx["eval"]:
+        raise ValueError("the conversion condition must run on every item")
+    sets = {
         "eval_correct": [b["correct"] for b in base],
         "recall_any": [b["recall_any"] for b in base],
         "known_en": [t["correct"] for t in twin],
@@ -699,14 +733,16 @@ def headroom(
             for t, c, b in zip(twin, conv, base, strict=True)
         ],
     }  # fmt: skip
-    out["shares"] = {
+    if "chinese" in res:
+        zh = res["chinese"]
+        sets["known_zh"] = [t["correct"] for t in zh]
+        sets["wrong_but_known_zh"] = [
+            t["correct"] and not b["correct"] for t, b in zip(zh, base, strict=True)
+        ]
+    return {
         k: {**summarise(items, [{"v": float(x)} for x in v], None, ("v",))["v"]}
         for k, v in sets.items()
     }
-    out["seconds"] = timing
-    out["items"] = {c: _slim(r) for c, r in res.items() if c not in ("english", "chinese")}
-    out["ids"] = [r["id"] for r in items]
-    return out
 
 
 def eval_prompt(fact: Fact, form: str, seed: int = 0) -> str | list[dict[str, str]]:
@@ -1103,17 +1139,19 @@ def _ci(d: Mapping[str, Any], scale: float = 100.0, fmt: str = "{:+.1f}") -> str
 
 def headroom_md(h: Mapping[str, Any]) -> list[str]:
     c = h["conditions"]
+    zh = "chinese" in c["eval"]
     lines = [
-        "| condition | non-English acc % [95 % CI] | Δ acc vs (i), pts [paired CI] | mean log P(gold) "
-        "| Δ log P [paired CI] | Δ log P / token [paired CI] | English acc % | recall-any % "
-        "| answered in English % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| condition | N | non-English acc % [95 % CI] | Δ acc vs (i), pts [paired CI] | mean log "
+        "P(gold) | Δ log P [paired CI] | Δ log P / token [paired CI] | English acc % | recall-any "
+        "% | answered in English %" + (" | answered in Chinese % |" if zh else " |"),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if zh else ""),
     ]
     for name, s in c.items():
         acc, lp, lpt = s["correct"], s["logp"], s["logp_tok"]
         lo, hi = acc["non_en_ci95"]
         row = [
             WHAT.get(name, name),
+            str(h.get("n_items", {}).get(name, s["n"])),
             f"{pct(acc['non_en'])} [{pct(lo)}, {pct(hi)}]",
             _ci(acc["diff_non_en"]) if name != "eval" else "—",
             f"{lp['non_en']:.2f}",
@@ -1122,7 +1160,7 @@ def headroom_md(h: Mapping[str, Any]) -> list[str]:
             pct(acc["per_lang"].get("en")),
             pct(s["recall_any"]["non_en"]),
             pct(s["english"]["non_en"]),
-        ]
+        ] + ([pct(s["chinese"]["non_en"])] if zh else [])
         lines.append("| " + " | ".join(row) + " |")
     langs = list(c["eval"]["correct"]["per_lang"])
     lines += ["", "Accuracy % per language:", ""]
@@ -1345,6 +1383,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="headroom items: k/n = every n-th fact from the k-th",
     )
     p.add_argument("--limit-per-lang", type=int, default=None, help="headroom items per language")
+    p.add_argument(
+        "--demo-limit",
+        type=int,
+        default=None,
+        help="run the 5-demonstration conditions (native5, mixed5) on the first N items per "
+        "language only (long prompts; paired against the evaluation form on those items)",
+    )
     p.add_argument("--oracle-part", type=_part, default=(0, 4), help="oracle items, as --part")
     p.add_argument("--oracle-limit", type=int, default=None, help="oracle items per language")
     p.add_argument("--per-relation", type=int, default=16, help="train facts per relation mean")
@@ -1411,7 +1456,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 limit_per_lang=args.limit_per_lang,
                 form=form,
             )
-            exp = headroom(runner, items, facts, args.seed, args.out / "partial" / key)
+            lim = {c: args.demo_limit for c in ("native5", "mixed5")} if args.demo_limit else None
+            exp = headroom(runner, items, facts, args.seed, args.out / "partial" / key, lim)
             setup = f"{len(items)} items ({part(args.part)}; languages {', '.join(_langs(items))})."
         elif name == "oracle":
             key = f"oracle@{args.oracle_part[0]}of{args.oracle_part[1]}"

@@ -186,3 +186,23 @@ def test_oracle_pivots_sanity_and_resume(runner: Runner, tmp_path: Path) -> None
     broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
     again = oracle(broken, items, facts, **kw)
     assert again["pivots"] == out["pivots"]
+
+
+def test_headroom_limits_pair_on_the_same_items(runner: Runner, tmp_path: Path) -> None:
+    from steerserve.research.ceilings import fact_index, headroom, headroom_md
+    from steerserve.research.facts import eval_records
+
+    items = eval_records("calib", langs=["en", "zh", "ja"], limit_per_lang=2, form="chat")
+    out = headroom(runner, items, fact_index("calib"), 0, tmp_path, {"native5": 1})
+    n = out["n_items"]
+    assert n["eval"] == n["convert"] == n["english"] == n["chinese"] == 6 and n["native5"] == 3
+    assert out["ids"]["native5"] == [items[i]["id"] for i in (0, 2, 4)]
+    assert (
+        out["conditions"]["english"]["correct"]["per_lang"]["ja"]
+        == (out["conditions"]["eval"]["correct"]["per_lang"]["en"])
+    )  # the English twin's answers
+    assert {"known_zh", "wrong_but_known_zh"} <= set(out["shares"])
+    assert "| (vii) same fact asked in Chinese" in "\n".join(headroom_md(out))
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+        "convert.json", "eval.json", "mixed5.json", "native5.json", "seconds.json",
+    ]  # fmt: skip
