@@ -375,6 +375,64 @@ def test_chat_logprobs(http: httpx.Client) -> None:
         assert tok["logprob"] == pytest.approx(tok["top_logprobs"][0]["logprob"])  # greedy
 
 
+def test_greedy_n_repeats_the_greedy_answer(http: httpx.Client) -> None:
+    """n > 1 at temperature 0 (OpenAI accepts it; vLLM alone refuses it): n identical choices,
+    the n = 1 answer, streamed or not, on both endpoints."""
+    one = chat(http, FR, steering=True)["choices"][0]
+    many = chat(http, FR, steering=True, n=3)
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in many["choices"]} == {one["message"]["content"]}
+    assert many["usage"]["completion_tokens"] == 3 * 8
+    streamed: dict[int, str] = {}
+    body = chat_body(FR, steering=True, n=3, stream=True)
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] = streamed.get(c["index"], "") + (
+                        c["delta"].get("content") or ""
+                    )
+    assert streamed == {i: one["message"]["content"] for i in range(3)}
+    comp = {"model": MODEL, "prompt": ["abc", "xyz"], "max_tokens": 4, "temperature": 0}
+    texts = [
+        c["text"] for c in http.post("/v1/completions", json=comp | {"n": 2}).json()["choices"]
+    ]
+    solo = [c["text"] for c in http.post("/v1/completions", json=comp).json()["choices"]]
+    assert texts == [solo[0], solo[0], solo[1], solo[1]]
+
+
+def test_logprob_bytes_are_the_tokens_bytes(http: httpx.Client) -> None:
+    """The random tiny model emits bytes >= 0x80 that are not UTF-8 alone: each token's
+    ``bytes`` is its one byte (not the encoding of a U+FFFD), its text ``bytes:\\xNN``, and
+    the bytes of all tokens make the answer."""
+    r = chat(http, "日本の首都はどこですか", logprobs=True, top_logprobs=3, max_tokens=24)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert any(t["token"].startswith("bytes:") for t in content), "no partial token to check"
+    for t in content:
+        assert len(t["bytes"]) == 1
+        if t["token"].startswith("bytes:"):
+            assert t["token"] == f"bytes:\\x{t['bytes'][0]:02x}"
+        else:
+            assert t["token"].encode() == bytes(t["bytes"])
+        for alt in t["top_logprobs"]:
+            assert len(alt["bytes"]) == 1
+    joined = b"".join(bytes(t["bytes"]) for t in content).decode("utf-8", "replace")
+    # the answer's text leaves out a trailing incomplete character (vLLM holds it back)
+    assert joined.rstrip("\ufffd") == r["choices"][0]["message"]["content"].rstrip("\ufffd")
+
+
+def test_completions_top_logprobs_keep_every_token(http: httpx.Client) -> None:
+    """``logprobs=5`` gives 5 entries per position: tokens whose text alone is not UTF-8 are
+    keyed ``bytes:\\xNN`` instead of all colliding on U+FFFD."""
+    body = {"model": MODEL, "prompt": "日本の首都", "max_tokens": 16, "temperature": 0}
+    lp = http.post("/v1/completions", json=body | {"logprobs": 5}).json()["choices"][0]["logprobs"]
+    assert [len(d) for d in lp["top_logprobs"]] == [5] * 16
+    assert any(k.startswith("bytes:") for d in lp["top_logprobs"] for k in d)
+    for d in lp["top_logprobs"]:
+        values = list(d.values())
+        assert values == sorted(values, reverse=True)  # most likely first, none overwritten
+
+
 # --- steering -----------------------------------------------------------------------------------
 
 
@@ -540,7 +598,21 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
         "text only",
         None,
     ),
-    ("greedy n", {"n": 3}, 400, "greedy", None),
+    ("top_logprobs alone", {"top_logprobs": 2}, 400, "'logprobs'", "top_logprobs"),
+    (
+        "top_logprobs, logprobs false",
+        {"top_logprobs": 2, "logprobs": False},
+        400,
+        "only allowed",
+        "top_logprobs",
+    ),
+    (
+        "stream_options alone",
+        {"stream_options": {"include_usage": True}},
+        400,
+        "'stream'",
+        "stream_options",
+    ),
     ("lone surrogate", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "", None),
     ("empty stop", {"stop": [""]}, 400, "", None),
 ]
@@ -807,7 +879,9 @@ def test_corrupt_artifact_refuses_start(
 
     make_artifact(tmp_path, tiny_llama, "v1")
     words = corrupt(make_artifact(tmp_path, tiny_llama, "v2", seed=1), kind)
-    cfg = EngineConfig(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )  # an engine that starts: without the check, the server would come up ready
     srv = Server(
         create_app(ServerSettings(engine=cfg, vectors_dir=str(tmp_path), steering=steering))
     )

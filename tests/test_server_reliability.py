@@ -149,30 +149,36 @@ def test_hang_ups_while_the_server_is_busy_are_499(server: Server, http: httpx.C
     before = {s: _requests_total(http, s) for s in ("200", "499")}
     loop = server.server.servers[0].get_loop()
 
-    async def one(c: httpx.AsyncClient, i: int, started: asyncio.Semaphore) -> None:
+    async def one(c: httpx.AsyncClient, i: int, started: asyncio.Semaphore, go: asyncio.Event):
         body = chat_body("hi", max_tokens=30, stream=i % 2 == 0, steering=False)
 
-        async def go() -> None:
+        async def call() -> None:
             if body["stream"]:
                 async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                     async for _ in r.aiter_lines():
-                        started.release()
-                        await asyncio.sleep(60)  # read one line, then hang up
+                        break  # the answer has started
+                    started.release()
+                    await asyncio.sleep(600)  # read no further; closed when cancelled
             else:
                 started.release()
                 await c.post("/v1/chat/completions", json=body)
 
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(go(), 2.0)
+        task = asyncio.create_task(call())
+        await go.wait()
+        task.cancel()  # hang up
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def run() -> None:
-        started = asyncio.Semaphore(0)
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as c:
-            tasks = [asyncio.create_task(one(c, i, started)) for i in range(16)]
-            for _ in tasks:
+        started, hang_up = asyncio.Semaphore(0), asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            tasks = [asyncio.create_task(one(c, i, started, hang_up)) for i in range(16)]
+            for _ in tasks:  # however loaded the machine, every call has started
                 await started.acquire()
             await asyncio.sleep(0.05)
             loop.call_soon_threadsafe(time.sleep, 3.0)  # busy: the hang-ups queue up
+            await asyncio.sleep(0.5)
+            hang_up.set()
             await asyncio.gather(*tasks)
 
     asyncio.run(run())
@@ -194,3 +200,43 @@ def test_hang_up_while_uploading_is_499(server: Server, http: httpx.Client) -> N
             time.sleep(0.2)
     assert _wait(lambda: _requests_total(http, "499") == before["499"] + 3)
     assert _requests_total(http, "500") == before["500"]
+
+
+# --- huge prompts -------------------------------------------------------------------------------
+
+
+def test_huge_prompts_refused_early_off_the_event_loop(server: Server, http: httpx.Client) -> None:
+    """8 concurrent ~1 MB prompts (just under the body limit) are refused as too long without
+    tokenizing them; 8 prompts of 9,000 characters (tokenized, then refused) are tokenized off
+    the event loop: /health keeps answering within a second throughout."""
+    big = "Quelle est la capitale de la France ? " * 26_000  # ~1 MB, ~1M byte tokens
+    calls = [("/v1/completions", {"model": MODEL, "prompt": big, "max_tokens": 4})] * 4
+    calls += [("/v1/chat/completions", chat_body(big))] * 4
+    mid = [("/v1/completions", {"model": MODEL, "prompt": big[:9000], "max_tokens": 4})] * 8
+    health: list[float] = []
+
+    async def probe(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                health.append(time.monotonic() - t0)
+                await asyncio.sleep(0.05)
+
+    async def run() -> tuple[list[httpx.Response], float]:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(probe(stop))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        rs = await _burst(server, calls + mid)
+        took = time.monotonic() - t0
+        stop.set()
+        await watcher
+        return rs, took
+
+    responses, took = asyncio.run(run())
+    for r in responses:
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert max(health) < 1.0, f"/health stalled {max(health):.2f} s"
+    assert took < 20, took

@@ -8,9 +8,12 @@ never disagree about what a steering entry means.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,8 +30,10 @@ from steerserve.engine.api import (
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.server.protocol import ApiError
+from steerserve.server.tokens import Tokens
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Backend:
@@ -40,6 +45,11 @@ class Backend:
         self.admission = Admission(cfg, self.shape)
         self.llm: Any = None
         self.tokenizer: Any = None
+        self.tokens: Tokens
+        self.max_token_chars = 0  # of the longest token: a text this long x N is >= N tokens
+        # Tokenization runs here, off the event loop; one thread, as a tokenizer is not safe to
+        # call from several at once.
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="steerserve-tokenize")
         self._build: asyncio.Future[list[Any]] | None = None
         self._closing = False
         self._register_lock = asyncio.Lock()
@@ -71,6 +81,8 @@ class Backend:
         if self.cfg.steering:
             check_workers(await llm.collective_rpc("steer_info"), self.cfg)
         self.tokenizer = llm.get_tokenizer()
+        self.tokens = Tokens(self.tokenizer)
+        self.max_token_chars = await asyncio.to_thread(longest_token, self.tokenizer)
         self.llm = llm
 
     async def register(
@@ -86,6 +98,22 @@ class Backend:
             rv = VectorRegistry(self.shape.hidden_size).add(name, tensor, source)
             await self.llm.collective_rpc("steer_register", args=vector_payload(rv))
             return self.registry.add(name, rv.tensor, source)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the tokenizer's thread (templates, tokenization, decoding)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+
+    def check_size(self, chars: int, tokens: int, field: str) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it: ``chars`` characters of text
+        are at least chars / (longest token x MERGE) tokens, ``tokens`` are ids given as such."""
+        least = max(tokens, chars // (self.max_token_chars * MERGE))
+        if least >= self.max_model_len:
+            raise ApiError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt is at least {least} tokens long.",
+                param=field,
+                code="context_length_exceeded",
+            )
 
     @property
     def max_model_len(self) -> int:
@@ -113,7 +141,7 @@ class Backend:
             )
         try:
             return SamplingParams(
-                n=req.n,
+                n=req.n // copies(req),
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 max_tokens=budget or room,
@@ -132,12 +160,19 @@ class Backend:
         return self.admission.prepare(entries, field=field)
 
     def generate(
-        self, prompt_ids: Sequence[int], params: Any, prepared: Prepared, request_id: str
+        self,
+        prompt_ids: Sequence[int],
+        params: Any,
+        prepared: Prepared,
+        request_id: str,
+        copies: int = 1,
     ) -> AsyncGenerator[Any, None]:
-        """Stream ``RequestOutput``s; closing/cancelling the generator aborts the request."""
-        return self.llm.generate(
+        """Stream ``RequestOutput``s (each sample repeated ``copies`` times); closing or
+        cancelling the generator aborts the request."""
+        gen = self.llm.generate(
             make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
         )
+        return gen if copies == 1 else _repeated(gen, copies)
 
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
@@ -155,11 +190,42 @@ class Backend:
         if self._build is not None and self._build.done() and not self._build.exception():
             self._build.result().clear()
         self._build = None
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
         if llm is not None:
             handler = getattr(llm, "output_handler", None)
             if handler is not None:  # stop reading outputs first: no "engine dead" noise
                 handler.cancel()
             await asyncio.to_thread(llm.shutdown)
+
+
+def copies(req: Any) -> int:
+    """How many times the engine's one sample is repeated: ``n`` for greedy requests with
+    n > 1 (vLLM refuses those; OpenAI answers n choices, identical by definition), else 1."""
+    return req.n if req.temperature == 0 and req.n > 1 else 1
+
+
+async def _repeated(gen: AsyncGenerator[Any, None], n: int) -> AsyncGenerator[Any, None]:
+    """``gen``'s outputs with each sample repeated as choices 0..n-1."""
+    try:
+        async for out in gen:
+            out = copy.copy(out)
+            out.outputs = [dataclasses.replace(o, index=i) for o in out.outputs for i in range(n)]
+            yield out
+    finally:
+        await gen.aclose()
+
+
+#: How many characters of input a tokenizer's normalizer may fold into one (Hangul jamo into a
+#: syllable: 3), on top of the longest token.
+MERGE = 4
+
+
+def longest_token(tokenizer: Any) -> int:
+    """Characters of the longest token, added and special ones included (they match literally in
+    text). Vocabulary strings are never shorter than the text they stand for: byte-level pieces
+    are one character per byte, SentencePiece's are the text with ``▁`` for a space (or
+    ``<0xNN>`` for one byte)."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from steerserve.server import protocol as P
 from steerserve.server.protocol import ApiError
+from steerserve.server.tokens import Tokens
 
 MAX_PROMPTS = 128
 
@@ -59,43 +60,38 @@ def sse(model: BaseModel | dict[str, Any]) -> str:
 # --- logprobs ------------------------------------------------------------------------------------
 
 
-def _token_text(lp: Any, token_id: int, tokenizer: Any) -> str:
-    text = getattr(lp, "decoded_token", None)
-    return text if text is not None else tokenizer.decode([token_id])
-
-
 def _logprob(lp: Any) -> float:
     return max(lp.logprob, -9999.0)  # JSON has no -inf
 
 
 def _tokens(
-    token_ids: list[int], logprobs: list[dict[int, Any]], top: int, tokenizer: Any
-) -> Iterator[tuple[str, Any, list[tuple[str, Any]]]]:
-    """Per generated token: its text, its ``Logprob`` and the ``top`` best (text, ``Logprob``)."""
+    token_ids: list[int], logprobs: list[dict[int, Any]], top: int
+) -> Iterator[tuple[int, Any, list[tuple[int, Any]]]]:
+    """Per generated token: its id, its ``Logprob`` and the ``top`` best (id, ``Logprob``), most
+    likely first."""
     for tid, lps in zip(token_ids, logprobs, strict=False):
-        chosen = lps[tid]
         ranked = sorted(lps.items(), key=lambda kv: kv[1].rank or 0)[:top] if top else []
-        best = [(_token_text(lp, i, tokenizer), lp) for i, lp in ranked]
-        yield _token_text(chosen, tid, tokenizer), chosen, best
+        yield tid, lps[tid], ranked
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Any]] | None, top: int, tokenizer: Any
+    token_ids: list[int], logprobs: list[dict[int, Any]] | None, top: int, tokens: Tokens
 ) -> P.ChatLogprobs | None:
-    """OpenAI chat ``logprobs.content`` from vLLM's per-token ``{token_id: Logprob}``."""
+    """OpenAI chat ``logprobs.content`` from vLLM's per-token ``{token_id: Logprob}``; ``bytes``
+    are the token's own bytes."""
     if logprobs is None:
         return None
+
+    def entry(tid: int, lp: Any) -> dict[str, Any]:
+        return {
+            "token": tokens.text(tid),
+            "logprob": _logprob(lp),
+            "bytes": list(tokens.bytes(tid)),
+        }
+
     content = [
-        P.TokenLogprob(
-            token=tok,
-            logprob=_logprob(chosen),
-            bytes=list(tok.encode()),
-            top_logprobs=[
-                P.TopLogprob(token=t, logprob=_logprob(lp), bytes=list(t.encode()))
-                for t, lp in best
-            ],
-        )
-        for tok, chosen, best in _tokens(token_ids, logprobs, top, tokenizer)
+        P.TokenLogprob(**entry(tid, chosen), top_logprobs=[P.TopLogprob(**entry(*t)) for t in best])
+        for tid, chosen, best in _tokens(token_ids, logprobs, top)
     ]
     return P.ChatLogprobs(content=content)
 
@@ -104,19 +100,25 @@ def completion_logprobs(
     token_ids: list[int],
     logprobs: list[dict[int, Any]] | None,
     top: int,
-    tokenizer: Any,
+    tokens: Tokens,
     offset: int = 0,
 ) -> P.CompletionLogprobs | None:
-    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset).
+    ``top_logprobs`` is keyed by token text, and distinct tokens have distinct texts (see
+    :mod:`tokens`); only tokens with identical bytes share a key, which keeps the likelier."""
     if logprobs is None:
         return None
     out = P.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for tok, chosen, best in _tokens(token_ids, logprobs, top, tokenizer):
-        out.tokens.append(tok)
+    done = b""
+    for tid, chosen, best in _tokens(token_ids, logprobs, top):
+        out.tokens.append(tokens.text(tid))
         out.token_logprobs.append(_logprob(chosen))
-        out.top_logprobs.append({t: _logprob(lp) for t, lp in best})
-        out.text_offset.append(offset)
-        offset += len(tok)
+        top_lps: dict[str, float] = {}
+        for t, lp in best:
+            top_lps.setdefault(tokens.text(t), _logprob(lp))
+        out.top_logprobs.append(top_lps)
+        out.text_offset.append(offset + len(done.decode("utf-8", "ignore")))
+        done += tokens.bytes(tid)
     return out
 
 
@@ -146,9 +148,9 @@ class Events:
     chunk: type[P.ChatCompletionChunk] | type[P.Completion]
 
     def __init__(
-        self, req: Any, prompts: Prompts, rid: str, info: P.SteeringInfo, tokenizer: Any
+        self, req: Any, prompts: Prompts, rid: str, info: P.SteeringInfo, tokens: Tokens
     ) -> None:
-        self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokenizer
+        self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokens
         self.created = int(time.time())
 
     def _chunk(self, choices: list[Any], **kw: Any) -> str:
@@ -253,6 +255,11 @@ class Endpoint:
     def admit(self, req: Any) -> None:
         """Refusals and defaults of this endpoint, before anything is tokenized."""
 
+    def size(self, req: Any) -> tuple[int, int, str]:
+        """(characters of text, token ids) of the largest prompt, and its field: checked
+        against the context before anything is tokenized."""
+        raise NotImplementedError
+
     def prompts(self, req: Any, tokenizer: Any, vocab_size: int) -> Prompts:
         raise NotImplementedError
 
@@ -261,7 +268,7 @@ class Endpoint:
         raise NotImplementedError
 
     def answer(
-        self, req: Any, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+        self, req: Any, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
     ) -> BaseModel:
         """The response body from the final outputs of every arm."""
         raise NotImplementedError
@@ -276,6 +283,9 @@ class Chat(Endpoint):
     schema = P.ChatCompletionRequest
     id_prefix = "chatcmpl"
     events = ChatEvents
+
+    def size(self, req: P.ChatCompletionRequest) -> tuple[int, int, str]:
+        return sum(len(m.text()) for m in req.messages), 0, "messages"
 
     def prompts(self, req: P.ChatCompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
         messages = [
@@ -295,7 +305,7 @@ class Chat(Endpoint):
         return (req.top_logprobs or 0) if req.logprobs else None
 
     def completion(
-        self, req: P.ChatCompletionRequest, arm: ArmOutput, tokenizer: Any
+        self, req: P.ChatCompletionRequest, arm: ArmOutput, tokens: Tokens
     ) -> P.ChatCompletion:
         [out] = arm.outputs
         choices = [
@@ -303,7 +313,7 @@ class Chat(Endpoint):
                 index=o.index,
                 message=P.AssistantMessage(content=o.text),
                 logprobs=chat_logprobs(
-                    list(o.token_ids), o.logprobs, req.top_logprobs or 0, tokenizer
+                    list(o.token_ids), o.logprobs, req.top_logprobs or 0, tokens
                 ),
                 finish_reason=o.finish_reason,
             )
@@ -312,10 +322,10 @@ class Chat(Endpoint):
         return P.ChatCompletion(choices=choices, **arm.fields(req.model))
 
     def answer(
-        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
     ) -> BaseModel:
         [arm] = arms
-        return self.completion(req, arm, tokenizer)
+        return self.completion(req, arm, tokens)
 
 
 class ABChat(Chat):
@@ -331,9 +341,9 @@ class ABChat(Chat):
             req.seed = random.randrange(2**31)  # both arms sample with the same seed
 
     def answer(
-        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
     ) -> BaseModel:
-        un, st = (self.completion(req, arm, tokenizer) for arm in arms)
+        un, st = (self.completion(req, arm, tokens) for arm in arms)
         texts = [[c.message.content for c in r.choices] for r in (un, st)]
         return P.ABResponse(unsteered=un, steered=st, identical=texts[0] == texts[1])
 
@@ -353,12 +363,15 @@ class Completions(Endpoint):
         if req.echo and req.logprobs is not None:
             raise ApiError("echo: cannot be combined with logprobs", param="echo")
 
+    def size(self, req: P.CompletionRequest) -> tuple[int, int, str]:
+        p = _prompt_list(req)
+        chars = max((len(x) for x in p if isinstance(x, str)), default=0)
+        return chars, max((len(x) for x in p if isinstance(x, list)), default=0), "prompt"
+
     def prompts(self, req: P.CompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
         """Token ids and texts of ``prompt`` (a string, strings, ids or lists of ids); ids are
         checked against the vocabulary before anything decodes them."""
-        p: Any = req.prompt
-        if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
-            p = [p]
+        p = _prompt_list(req)
         if not p:
             raise ApiError("prompt: must not be empty", param="prompt")
         if len(p) > MAX_PROMPTS:
@@ -379,16 +392,14 @@ class Completions(Endpoint):
         return req.logprobs
 
     def answer(
-        self, req: P.CompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokenizer: Any
+        self, req: P.CompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
     ) -> BaseModel:
         [arm] = arms
         choices = []
         for i, out in enumerate(arm.outputs):
             echo = prompts.texts[i] if req.echo else ""
             for o in sorted(out.outputs, key=lambda o: o.index):
-                lp = completion_logprobs(
-                    list(o.token_ids), o.logprobs, req.logprobs or 0, tokenizer
-                )
+                lp = completion_logprobs(list(o.token_ids), o.logprobs, req.logprobs or 0, tokens)
                 choices.append(
                     P.CompletionChoice(
                         index=i * req.n + o.index,
@@ -398,6 +409,14 @@ class Completions(Endpoint):
                     )
                 )
         return P.Completion(choices=choices, **arm.fields(req.model))
+
+
+def _prompt_list(req: P.CompletionRequest) -> list[Any]:
+    """``prompt`` as a list of prompts (strings or lists of ids)."""
+    p: Any = req.prompt
+    if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+        return [p]
+    return list(p)
 
 
 def _check_ids(ids: list[int], vocab: int) -> None:

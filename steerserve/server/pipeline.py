@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
-from steerserve.server.backend import engine_error
+from steerserve.server.backend import copies, engine_error
 from steerserve.server.endpoints import ArmOutput, Endpoint, Prompts, sse
 from steerserve.server.policy import OFF
 from steerserve.server.protocol import ApiError, SteeringInfo, Usage, read_request
@@ -161,7 +161,8 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     check(state, req.model)
     ep.admit(req)
     backend = state.backend
-    prompts = ep.prompts(req, backend.tokenizer, backend.vocab_size)
+    backend.check_size(*ep.size(req))
+    prompts = await backend.off_loop(ep.prompts, req, backend.tokenizer, backend.vocab_size)
     arms = await steer(state, req.steering, prompts.language_text, ep.ab)
     call.arm = "ab" if ep.ab else arms[0].label
     from vllm.sampling_params import RequestOutputKind
@@ -174,7 +175,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     rid = f"{ep.id_prefix}-{uuid.uuid4().hex}"
     gens = [
         [
-            backend.generate(ids, sp, arm.prepared, f"{rid}{arm.suffix}-{i}")
+            backend.generate(ids, sp, arm.prepared, f"{rid}{arm.suffix}-{i}", copies(req))
             for i, (ids, sp) in enumerate(zip(prompts.ids, params, strict=True))
         ]
         for arm in arms
@@ -182,7 +183,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     headers = {HEADER: arms[-1].info.header()}
     if req.stream:
         [arm] = arms
-        events = ep.events(req, prompts, rid, arm.info, backend.tokenizer)
+        events = ep.events(req, prompts, rid, arm.info, backend.tokens)
         return await stream(state, call, request, arm, events, gens[0], prompts, headers)
     every = [g for per_arm in gens for g in per_arm]
     async with Flight(state, call, request, every) as flight:
@@ -196,7 +197,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         ArmOutput(rid + a.suffix, a.info, out, u)
         for a, out, u in zip(arms, outs, usage, strict=True)
     ]
-    body = ep.answer(req, prompts, answers, backend.tokenizer)
+    body = ep.answer(req, prompts, answers, backend.tokens)
     return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 

@@ -12,7 +12,16 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
 
@@ -59,6 +68,13 @@ def parse_steering(raw: Any) -> SteeringSpec | None:
 
 
 # --- requests ----------------------------------------------------------------------------------
+
+
+def _needs(field: str, condition: str) -> PydanticCustomError:
+    """A field given without the one it depends on (OpenAI refuses these, so do we)."""
+    return PydanticCustomError(
+        "dependency", "{message}", {"message": f"only allowed when {condition}", "field": field}
+    )
 
 
 class _Request(BaseModel):
@@ -123,6 +139,12 @@ class _Sampling(_Request):
             raise ValueError("at most 4 stop sequences")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise _needs("stream_options", "'stream' is true")
+        return self
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -135,6 +157,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _needs("top_logprobs", "'logprobs' is true")
+        return self
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
