@@ -586,7 +586,8 @@ def summarise(
     """Per language and non-English mean (mean of language means, bootstrap 95 % CI) of every
     metric; with ``base`` (same items), paired differences with paired bootstrap CIs."""
     out: dict[str, Any] = {"n": len(res)}
-    for key in [k for k in keys if not res or k in res[0]]:  # results before "chinese" lack it
+    # results kept before "chinese" was scored lack it: only keys every side has
+    for key in [k for k in keys if not res or (k in res[0] and (not base or k in base[0]))]:
         d = by_lang(records, res, key)
         ne = _non_en(d)
         m: dict[str, Any] = {"per_lang": {k: float(np.mean(v)) for k, v in d.items()}}
