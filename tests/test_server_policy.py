@@ -223,6 +223,7 @@ def test_parse_accepts_openai_shapes() -> None:
                     {"role": "assistant", "content": "x", "refusal": None, "tool_calls": []},
                 ],
                 "stop": "\n",
+                "stream": True,
                 "stream_options": {"include_usage": True},
                 "steering": {"interventions": {"recall": 1}},
             }
