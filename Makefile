@@ -26,7 +26,7 @@ lint: setup
 	$(BIN)/ruff format --check steerserve tests bench
 
 test: setup lint
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 serve: setup
 	$(BIN)/steerserve serve
