@@ -691,6 +691,11 @@ def headroom(
             return _slim(runner.run(condition_records(sub, facts, cond, seed))[0][0])
 
         res[cond] = cached(None if partial is None else partial / f"{cond}.json", run)
+        if len(res[cond]) == len(items) != len(sub):  # kept from a run without the limit
+            idx[cond] = list(range(len(items)))
+        if len(res[cond]) != len(idx[cond]):
+            raise ValueError(f"{partial}/{cond}.json holds {len(res[cond])} results, not "
+                             f"{len(idx[cond])}: it belongs to other items")  # fmt: skip
         timing[cond] = round(time.perf_counter() - t0, 1)
         log.info("headroom %s: %.0f s", cond, timing[cond])
     base = res["eval"]
@@ -851,6 +856,11 @@ def oracle(
 
     base_run = cached_tensors(part("baseline.pt"), baseline)
     states = base_run["states"]
+    if len(base_run["res"]) != len(items):
+        raise ValueError(
+            f"{partial}/baseline.pt holds {len(base_run['res'])} items, not "
+            f"{len(items)}: it belongs to other items (--langs, --oracle-limit)"
+        )
     fid = [facts[r["id"]].fact_id for r in items]
     langs = _langs(items)
     means = cached_tensors(

@@ -206,3 +206,12 @@ def test_headroom_limits_pair_on_the_same_items(runner: Runner, tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [
         "convert.json", "eval.json", "mixed5.json", "native5.json", "seconds.json",
     ]  # fmt: skip
+    # a rerun with a limit reuses a piece kept from an unlimited run on all its items, and
+    # refuses one that belongs to other items (never pairs results with the wrong facts)
+    broken = Runner.__new__(Runner)
+    broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
+    again = headroom(broken, items, fact_index("calib"), 0, tmp_path, {"native5": 1, "mixed5": 1})
+    assert again["n_items"]["mixed5"] == 6 and again["n_items"]["native5"] == 3
+    assert again["conditions"]["mixed5"] == out["conditions"]["mixed5"]
+    with pytest.raises(ValueError, match="native5.json holds 3 results, not 6"):
+        headroom(broken, items, fact_index("calib"), 0, tmp_path, {"native5": 2})  # 2 = all items
