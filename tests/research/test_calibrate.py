@@ -184,3 +184,59 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     bad.write_text(json.dumps({**recs[0], "messages": [{"role": "bot", "content": "x"}]}) + "\n")
     res = CliRunner().invoke(app, ["eval", "--dataset", str(bad), "--artifact", str(out), *common])
     assert res.exit_code != 0 and "capital_of" in res.output and "'bot'" in res.output
+
+
+def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
+    tiny_gemma: Path, cands: Candidates, tmp_path: Path
+) -> None:
+    import torch
+
+    from steerserve.research.ceilings import Runner
+
+    with pytest.raises(ValueError, match="objective"):
+        cal.Grid(objective="luck", recall_layers=(1,), translation_layers=(2,))
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: a second thread only waits on a shared CPU
+    try:
+        model, tok = load_model(str(tiny_gemma))
+        scorer = Runner(model, tok, batch_size=16)
+        records = cal.calib_records(per_lang=1, en_items=2, shots=1, part=(0, 2))
+        held = cal.calib_records(per_lang=1, en_items=1, shots=1, part=(1, 2))
+        grid = cal.Grid(
+            objective="logp",
+            recall_variants=("recall.mixed.diff",),
+            recall_layers=(1, 2),
+            recall_scales=(0.5,),
+            translation_layers=(2,),
+            translation_scales=(0.5, 1.0),
+            positions=("last_prompt_and_generated", "all"),
+            top_k=1,
+            fine_factors=(2.0,),
+        )
+        result = cal.calibrate_logp(scorer, cands, records, grid, log=lambda *_: None)
+        cal.confirm_logp(scorer, cands, result, held, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(n_threads)
+    sweep = result["sweep"]
+    assert [r["stage"] for r in sweep] == [UNSTEERED, "recall", "recall", "translation",
+                                           "translation", "joint", "fine", "fine", "fine"]  # fmt: skip
+    assert sweep[0]["d_logp"] == 0 and sweep[0]["d_logp_ci95"] == [0, 0]
+    assert sweep[-1]["recall"]["positions"] == "all"
+    pairs = [r for r in sweep if r["recall"] and r["translation"]]
+    ok = [r for r in pairs if r["en_d_logp"] >= -grid.max_en_logp_drop]
+    assert result["chosen"]["d_logp"] == max(r["d_logp"] for r in ok or pairs)
+    assert any(abs(r["d_logp"]) > 1e-3 for r in sweep[1:])  # the steering moves log P
+    h = result["holdout"]
+    assert h["n_items"] == len(held) and h["chosen"]["recall"] == result["chosen"]["recall"]
+    assert h["confirms"] == (
+        h["d_logp_ci95"][0] > 0
+        and h["non_en_gain"] >= 0
+        and h["en_change"] >= -grid.max_en_drop
+        and h["chosen"]["en_d_logp"] >= -grid.max_en_logp_drop
+    )
+    out = tmp_path / "tiny" / "v1"
+    cal.build_artifact(cands, result, tiny_gemma, out, "tiny", "v1")
+    art = load_artifact(out, model_dir=tiny_gemma)
+    assert art.manifest.intervention("recall").calibration["grid"]["objective"] == "logp"
+    md = (cal.write_summary(result, tmp_path / "summary") / "calibration.md").read_text()
+    assert "held-out Δ log P(gold)" in md and "Δ log P [95 % CI]" in md
