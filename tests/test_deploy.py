@@ -60,6 +60,8 @@ SERVE_ENV = {
     "STEERSERVE_STEERING",
     "STEERSERVE_SERVED_MODEL_NAME",
     "STEERSERVE_LOG_LEVEL",
+    "STEERSERVE_DRAIN_SECONDS",
+    "STEERSERVE_OPEN_ADMIN",
 }
 # Read by steerserve.models (where the embedded model is converted to).
 OTHER_ENV = {"STEERSERVE_CACHE"}

@@ -80,13 +80,14 @@ def corrupt(path: Path, kind: str) -> str:
 class Server:
     """uvicorn serving ``create_app`` in a background thread, on a free loopback port."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         import uvicorn
 
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = {"log_level": "warning", **config}
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, **config)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -105,9 +106,21 @@ class Server:
             time.sleep(0.25)
         raise TimeoutError("server not ready")
 
+    def listen(self, timeout: float = 30.0) -> None:
+        """Start and wait until it answers /health (the engine may still be loading)."""
+        self.thread.start()
+        assert _wait(lambda: _answers(f"{self.url}/health"), timeout), "server not listening"
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -651,7 +664,8 @@ def test_bad_completions_and_ab(http: httpx.Client) -> None:
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x" * 600}, "maximum context length"),
     ]:
-        r = http.post("/v1/completions", content=json.dumps(base | change).encode())
+        body = json.dumps(base | change).encode()  # json.dumps escapes the lone surrogate
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
     r = http.post("/v1/chat/completions/ab", json=chat_body(steering=False))
     assert r.status_code == 400 and r.json()["error"]["param"] == "steering"
@@ -674,9 +688,95 @@ def test_oversized_body(http: httpx.Client) -> None:
     assert r.status_code == 413
 
 
+@pytest.mark.parametrize(
+    "content_type,status",
+    [
+        ("text/plain", 415),  # what a web page may send cross-site without a preflight
+        ("application/x-www-form-urlencoded", 415),  # curl -d without a content type
+        ("multipart/form-data; boundary=x", 415),
+        (None, 415),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+        ("application/vnd.api+json", 200),
+    ],
+)
+def test_json_only_with_a_json_content_type(
+    http: httpx.Client, content_type: str | None, status: int
+) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path, body in [
+        ("/v1/chat/completions", chat_body(max_tokens=1)),
+        ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1}),
+        ("/v1/steering/vectors", {"name": "tiny/v1"}),
+    ]:
+        r = http.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert r.status_code == status, (path, r.text)
+        if status == 415:
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
 def test_unknown_route_is_openai_error(http: httpx.Client) -> None:
     r = http.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+# --- the OpenAPI document -----------------------------------------------------------------------
+
+
+def test_openapi_publishes_request_bodies_and_errors(server: Server, http: httpx.Client) -> None:
+    """/openapi.json declares each POST route's JSON body and its OpenAI-format errors, and
+    the published schemas hold what the server really takes and answers."""
+    import jsonschema
+
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+
+    def schema(name: str) -> jsonschema.Draft202012Validator:
+        root = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        return jsonschema.Draft202012Validator(root)
+
+    routes = {
+        "/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion"),
+        "/v1/chat/completions/ab": ("ChatCompletionRequest", "ABResponse"),
+        "/v1/completions": ("CompletionRequest", "Completion"),
+        "/v1/steering/vectors": ("VectorLoadRequest", "VectorListing"),
+    }
+    for path, (body, answer) in routes.items():
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{body}", path
+        ok = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        assert ok.endswith(f"/{answer}"), path
+        for status in ("400", "401", "413", "415", "503"):
+            err = op["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert err.endswith("/ErrorResponse"), (path, status)
+
+    entry = {"vector": "tiny/v1/recall", "layer": 1, "scale": 2.0, "positions": "generated"}
+    chat_request = schema("ChatCompletionRequest")
+    for steering in (
+        True,
+        False,
+        "auto",
+        None,
+        {"interventions": {"recall": 0.5}},
+        {"entries": [entry]},
+    ):
+        chat_request.validate(chat_body(steering=steering, logprobs=True, top_logprobs=2))
+    for bad in ({"temperature": "hot"}, {"steerng": True}, {"steering": {"entries": []}}):
+        assert not chat_request.is_valid(chat_body() | bad), bad
+    schema("CompletionRequest").validate({"model": MODEL, "prompt": [[1, 2], [3]], "n": 2})
+
+    schema("ChatCompletion").validate(chat(http, FR, steering=True, logprobs=True, top_logprobs=2))
+    comp = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "logprobs": 2})
+    schema("Completion").validate(comp.json())
+    schema("ABResponse").validate(http.post("/v1/chat/completions/ab", json=chat_body(FR)).json())
+    schema("VectorListing").validate(http.get("/v1/steering/vectors").json())
+    for r in (
+        http.post("/v1/chat/completions", json=chat_body(temperature="hot")),
+        http.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"}),
+        httpx.get(f"{server.url}/v1/models"),
+    ):
+        assert r.status_code >= 400
+        schema("ErrorResponse").validate(r.json())
 
 
 # --- abort on disconnect, metrics ---------------------------------------------------------------
@@ -843,6 +943,44 @@ def test_vectors_list_and_load(http: httpx.Client, vectors_dir: Path, tiny_llama
     finally:
         r = http.post("/v1/steering/vectors", json={"name": "tiny/v1", "default": True})
         assert r.status_code == 200 and r.json()["default"] == "tiny/v1"
+
+
+@pytest.mark.parametrize(
+    "host,key,open_admin,status",
+    [
+        ("0.0.0.0", None, False, 403),  # the image's default address, no key: refused
+        ("::", None, False, 403),
+        ("10.1.2.3", None, False, 403),
+        ("0.0.0.0", None, True, 503),  # explicit opt-in: allowed (the engine is not loaded here)
+        ("0.0.0.0", KEY, False, 503),  # a key guards it
+        ("127.0.0.1", None, False, 503),  # loopback only
+        ("localhost", None, False, 503),
+        ("::1", None, False, 503),
+    ],
+)
+def test_admin_refused_open_beyond_loopback(
+    tiny_llama: Path, host: str, key: str | None, open_admin: bool, status: int
+) -> None:
+    """The admin endpoint (it changes what every client gets) refuses to run without an API key
+    on a non-loopback address unless the operator opts in; the app is served without its engine
+    (lifespan off), since the refusal comes first."""
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    settings = ServerSettings(
+        engine=EngineConfig(model=str(tiny_llama)), api_key=key, host=host, open_admin=open_admin
+    )
+    srv = Server(create_app(settings), lifespan="off")
+    srv.listen()
+    try:
+        headers = AUTH if key else {}
+        r = httpx.post(f"{srv.url}/v1/steering/vectors", json={"name": "tiny"}, headers=headers)
+        assert r.status_code == status, r.text
+        if status == 403:
+            assert r.json()["error"]["code"] == "admin_disabled"
+            assert "STEERSERVE_API_KEY" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
 
 
 def test_admin_load_names_the_refusal(

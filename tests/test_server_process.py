@@ -1,5 +1,8 @@
 """``steerserve serve`` as a user runs it: a subprocess configured by STEERSERVE_* variables, vLLM in
-its default multi-process mode; liveness before readiness, and SIGTERM drains in-flight work."""
+its default multi-process mode (server, EngineCore and worker processes); liveness before
+readiness; SIGINT to the whole process group (Ctrl+C, a service manager's stop) drains in-flight
+work; a dead engine makes the process exit non-zero; no process outlives the server. Each test
+starts a server (most of its time), so checks share starts."""
 
 from __future__ import annotations
 
@@ -8,64 +11,185 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
+import psutil
 from test_server import FR, free_port, make_artifact
 
+from steerserve.engine.cpu import BF16_FLAGS, BIND, core_list, cpu_flags
+
 KEY = "proc-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
-def test_cli_serve_multiprocess_sigterm_drains(tiny_llama: Path, tmp_path: Path) -> None:
-    vectors = tmp_path / "vectors"
-    make_artifact(vectors, tiny_llama, "v1")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = os.environ | {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # production mode: EngineCore + worker processes
-        "STEERSERVE_MODEL": str(tiny_llama),
-        "STEERSERVE_VECTORS_DIR": str(vectors),
-        "STEERSERVE_PORT": str(port),
-        "STEERSERVE_DTYPE": "float32",
-        "STEERSERVE_MAX_MODEL_LEN": "512",
-        "STEERSERVE_KV_CACHE_BYTES": str(64 << 20),
-        "STEERSERVE_API_KEY": KEY,
-        "STEERSERVE_STEERING": "on",
-        "STEERSERVE_SERVED_MODEL_NAME": "tiny",
-        "STEERSERVE_LOG_LEVEL": "warning",
-    }
-    log_path = tmp_path / "serve.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "steerserve", "serve"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        # liveness comes first, readiness once the engine is loaded
-        saw_loading, deadline = False, time.monotonic() + 240
+class Serve:
+    """A ``steerserve serve`` process in its own process group, its log in a file."""
+
+    def __init__(self, model: Path, tmp: Path) -> None:
+        vectors = tmp / "vectors"
+        if not vectors.exists():
+            make_artifact(vectors, model, "v1")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = os.environ | {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # production mode: EngineCore + worker
+            "STEERSERVE_MODEL": str(model),
+            "STEERSERVE_VECTORS_DIR": str(vectors),
+            "STEERSERVE_PORT": str(self.port),
+            "STEERSERVE_DTYPE": "float32",
+            "STEERSERVE_MAX_MODEL_LEN": "1024",
+            "STEERSERVE_KV_CACHE_BYTES": str(64 << 20),
+            "STEERSERVE_API_KEY": KEY,
+            "STEERSERVE_STEERING": "on",
+            "STEERSERVE_SERVED_MODEL_NAME": "tiny",
+            "STEERSERVE_LOG_LEVEL": "warning",
+        }
+        self.log_path = tmp / f"serve-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.family: list[psutil.Process] = []
+        self.saw_loading = False
+
+    def start(self) -> None:
+        """Start and wait until ready (``saw_loading``: /ready said "loading" before)."""
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "steerserve", "serve"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        saw_loading, deadline = False, time.monotonic() + 300
         while time.monotonic() < deadline:
-            assert proc.poll() is None, _tail(log_path)
+            assert self.proc.poll() is None, self.tail()
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    ready = httpx.get(f"{url}/ready", timeout=2)
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    ready = httpx.get(f"{self.url}/ready", timeout=2)
                     if ready.status_code == 200:
-                        break
+                        self.family = [psutil.Process(self.proc.pid)]
+                        self.family += self.family[0].children(recursive=True)
+                        self.saw_loading = saw_loading
+                        return
                     assert ready.status_code == 503 and ready.json()["status"] == "loading"
                     saw_loading = True
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        else:
-            raise AssertionError("not ready in time:\n" + _tail(log_path))
-        assert saw_loading
+        raise AssertionError("not ready in time:\n" + self.tail())
 
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    def engine_core(self) -> psutil.Process:
+        [core] = [p for p in self.family if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+        return core
+
+    def survivors(self, timeout: float) -> list[str]:
+        """The processes started with the server still alive after ``timeout`` seconds."""
+        _, alive = psutil.wait_procs(self.family, timeout=timeout)
+        return [f"{p.pid} {p.name()}" for p in alive]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        for p in self.family:
+            if p.is_running():
+                p.kill()
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+
+@contextmanager
+def serving(model: Path, tmp: Path, **env: str | None) -> Iterator[Serve]:
+    """A ready server; ``env`` changes its variables (None removes one)."""
+    srv = Serve(model, tmp)
+    for k, v in env.items():
+        if v is None:
+            srv.env.pop(k, None)
+        else:
+            srv.env[k] = v
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _stream(url: str, max_tokens: int) -> list[str]:
+    """A streamed chat answer's SSE lines."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    lines = []
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=HEADERS, timeout=300
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    return lines
+
+
+def _completed(lines: list[str], tokens: int) -> bool:
+    """A stream that ended with [DONE] after ``tokens`` completion tokens."""
+    if len(lines) < 2 or lines[-1] != "data: [DONE]":
+        return False
+    usage = json.loads(lines[-2][6:]).get("usage") or {}
+    return usage.get("completion_tokens") == tokens
+
+
+def _collected(url: str, max_tokens: int) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": max_tokens, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=300)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _queue_depth(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("steerserve_queue_depth "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    return fn(*args), time.monotonic()
+
+
+def _in_flight(srv: Serve, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while _queue_depth(srv.url) < n:
+        assert time.monotonic() < deadline, f"never {n} requests in flight"
+        time.sleep(0.02)
+
+
+def test_cli_serve_multiprocess_group_sigint_drains(tiny_llama: Path, tmp_path: Path) -> None:
+    """Served as a user runs it, then Ctrl+C (SIGINT to the whole process group: server,
+    EngineCore, worker) while 8 requests are in flight: new connections are refused, every
+    request completes with 200 after the signal, the server exits 0 and no process is left.
+    (One server start serves both halves: a start costs most of this test's time.)"""
+    with serving(tiny_llama, tmp_path) as srv:
+        assert srv.saw_loading  # liveness came first, readiness once the engine was loaded
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         resp = client.chat.completions.create(
             model="tiny",
@@ -76,57 +200,52 @@ def test_cli_serve_multiprocess_sigterm_drains(tiny_llama: Path, tmp_path: Path)
         steering = resp.model_extra["steering"]
         assert steering["applied"] and steering["policy"] == "on"  # STEERSERVE_STEERING=on
 
-        # SIGTERM while a stream is in flight: it completes, new connections are refused
-        result: dict[str, object] = {}
-        first = threading.Event()
-
-        def stream() -> None:
-            body = {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 400,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            lines = []
-            headers = {"Authorization": f"Bearer {KEY}"}
-            with httpx.stream(
-                "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
-            ) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first.set()
-            result["lines"] = lines
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(60)
-        proc.send_signal(signal.SIGTERM)
-        refused = False
-        for _ in range(50):
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-            except httpx.TransportError:
-                refused = True
-                break
-            time.sleep(0.1)
-        t.join(120)
-        assert proc.wait(120) == 0, _tail(log_path)
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(_timed, _stream, srv.url, 1000) for _ in range(4)]
+            collected = [pool.submit(_timed, _collected, srv.url, 1000) for _ in range(4)]
+            _in_flight(srv, 8)
+            assert srv.proc is not None
+            os.killpg(srv.proc.pid, signal.SIGINT)
+            signalled = time.monotonic()
+            refused = False
+            for _ in range(50):
+                try:
+                    httpx.get(f"{srv.url}/health", timeout=1)
+                except httpx.TransportError:
+                    refused = True
+                    break
+                time.sleep(0.1)
+            for f in streams:
+                lines, done = f.result(300)
+                assert _completed(lines, 1000), lines[-3:]
+                assert done > signalled
+            for f in collected:
+                r, done = f.result(300)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == 1000
+                assert done > signalled
         assert refused
-        lines = result["lines"]
-        assert isinstance(lines, list) and lines[-1] == "data: [DONE]"
-        usage = json.loads(lines[-2][6:])["usage"]
-        assert usage["completion_tokens"] == 400
-        assert "Traceback" not in _tail(log_path, 100_000)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        log.close()
+        assert srv.proc.wait(120) == 0, srv.tail()
+        assert srv.survivors(30) == [], srv.tail()
+        assert "Traceback" not in srv.tail(100_000)
 
 
-def _tail(path: Path, n: int = 4000) -> str:
-    return path.read_text(errors="replace")[-n:]
+def test_dead_engine_fails_health_and_exits_non_zero(tiny_llama: Path, tmp_path: Path) -> None:
+    """EngineCore killed (OOM killer, crash): /health fails at once and the server exits 1 for a
+    supervisor to restart it, leaving no process behind. Served with the CPU defaults: dtype
+    auto is float32 without native bfloat16, and the one worker is bound to every core."""
+    unset = {"STEERSERVE_DTYPE": None, BIND: None}
+    with serving(tiny_llama, tmp_path, **unset) as srv:
+        log = srv.tail(100_000)  # vLLM's INFO lines
+        native = any(f in cpu_flags() for f in BF16_FLAGS)
+        assert f"dtype=torch.{'bfloat16' if native else 'float32'}," in log
+        assert f"{BIND}={core_list(os.sched_getaffinity(0))!r}" in log
+        assert f"local_rank=0, core ids={sorted(os.sched_getaffinity(0))}" in log
+        srv.engine_core().kill()
+        t0 = time.monotonic()
+        while _healthy(srv.url):  # 503, then refused once the server stops listening
+            assert time.monotonic() - t0 < 5, "/health still ok"
+            time.sleep(0.05)
+        assert srv.proc is not None
+        assert srv.proc.wait(60) == 1, srv.tail()
+        assert srv.survivors(30) == [], srv.tail()

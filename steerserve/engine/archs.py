@@ -52,6 +52,7 @@ class SteeringMixin:
         from steerserve.engine.buffers import SteeringState
         from steerserve.engine.runner import check_config, install_v1_seam
         from steerserve.engine.seeds import install_cpu_seed_rewind
+        from steerserve.engine.signals import ignore_group_signals_in_worker
 
         check_config(vllm_config)
         opts = (vllm_config.additional_config or {}).get("steerserve") or {}
@@ -79,6 +80,7 @@ class SteeringMixin:
             install_v1_seam()
             if device.type == "cpu":
                 install_cpu_seed_rewind()
+        ignore_group_signals_in_worker()
         logger.info("steerserve: steering layers %s of %d", owned, num_layers)
 
     @staticmethod

@@ -17,17 +17,22 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from steerserve.server import endpoints, pipeline
+from steerserve.server import protocol as P
 from steerserve.server.protocol import (
     ApiError,
     ModelCard,
     ModelList,
     VectorLoadRequest,
     api_error,
+    openapi_body,
+    openapi_components,
     read_request,
 )
 from steerserve.server.state import ServerSettings, ServerState
@@ -62,7 +67,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(state.load())
+        loader = asyncio.create_task(state.run())
         try:
             yield
         finally:
@@ -76,7 +81,34 @@ def create_app(settings: ServerSettings) -> FastAPI:
     _errors(app)
     app.include_router(_ops_router())
     app.include_router(_v1_router(), dependencies=[Depends(require_key)])
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the request bodies, which routes parse themselves."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(openapi_components(REQUEST_MODELS))
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+REQUEST_MODELS: list[type[BaseModel]] = [
+    P.ChatCompletionRequest,
+    P.CompletionRequest,
+    P.VectorLoadRequest,
+]
+
+
+def _route(body: type[BaseModel], answer: type[BaseModel], stream: bool = False) -> dict[str, Any]:
+    """What the OpenAPI document says of a POST route: its JSON body, its answers, its errors."""
+    ok: dict[str, Any] = {"model": answer, "description": "the answer"}
+    if stream:
+        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        ok["description"] = "the answer; with stream: true, server-sent events of chunks"
+    return {"openapi_extra": openapi_body(body), "responses": {200: ok, **P.ERRORS}}
 
 
 def _errors(app: FastAPI) -> None:
@@ -145,7 +177,7 @@ def _ops_router() -> APIRouter:
 def _v1_router() -> APIRouter:
     r = APIRouter(prefix="/v1")
 
-    @r.get("/models")
+    @r.get("/models", responses={200: {"model": ModelList}, 401: P.ERRORS[401]})
     async def models(request: Request) -> Response:
         s = _state(request)
         max_len = s.backend.max_model_len if s.ready else s.settings.engine.max_model_len
@@ -154,23 +186,34 @@ def _v1_router() -> APIRouter:
         )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    @r.post("/chat/completions")
+    @r.post("/chat/completions", **_route(P.ChatCompletionRequest, P.ChatCompletion, True))
     async def chat(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.CHAT)
 
-    @r.post("/chat/completions/ab")
+    @r.post("/chat/completions/ab", **_route(P.ChatCompletionRequest, P.ABResponse))
     async def chat_ab(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.AB)
 
-    @r.post("/completions")
+    @r.post("/completions", **_route(P.CompletionRequest, P.Completion, True))
     async def completions(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.COMPLETIONS)
 
-    @r.get("/steering/vectors")
+    @r.get(
+        "/steering/vectors",
+        response_model=None,
+        responses={200: {"model": P.VectorListing}, 401: P.ERRORS[401]},
+    )
     async def list_vectors(request: Request) -> dict[str, Any]:
         return _state(request).listing()
 
-    @r.post("/steering/vectors")
+    admin = _route(P.VectorLoadRequest, P.VectorListing)
+    admin["responses"] |= {
+        403: {"model": P.ErrorResponse, "description": "admin refused open beyond loopback"},
+        409: {"model": P.ErrorResponse, "description": "same name/version, other data"},
+        422: {"model": P.ErrorResponse, "description": "the artifact fails verification"},
+    }
+
+    @r.post("/steering/vectors", response_model=None, **admin)
     async def load_vectors(request: Request) -> dict[str, Any]:
         s = _state(request)
         call = request.state.call = pipeline.Call("vectors")

@@ -39,8 +39,9 @@ T = TypeVar("T")
 class Backend:
     """One AsyncLLM and the admission state (registered vectors) that goes with it."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, drain_seconds: int = 0) -> None:
         self.cfg = cfg
+        self.drain_seconds = drain_seconds
         self.shape = ModelShape.read(cfg.model)
         self.admission = Admission(cfg, self.shape)
         self.llm: Any = None
@@ -68,7 +69,10 @@ class Backend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return [AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.cfg, self.shape)))]
+        kw = engine_kwargs(self.cfg, self.shape)
+        # EngineCore drains (instead of aborting) on a SIGINT/SIGTERM sent to the process group.
+        kw.setdefault("shutdown_timeout", self.drain_seconds)
+        return [AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))]
 
     async def start(self) -> None:
         """Build the engine in a worker thread (seconds to minutes) so /health answers meanwhile."""

@@ -46,14 +46,24 @@ class ApiError(Exception):
         self.type = type
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return ErrorResponse(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        ).model_dump()
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's format."""
+
+    error: ErrorDetail
 
 
 _STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)
@@ -310,6 +320,25 @@ class ABResponse(BaseModel):
     identical: bool
 
 
+class ArtifactInfo(BaseModel):
+    id: str
+    name: str
+    version: str
+    default: bool
+    interventions: list[str]
+    manifest: dict[str, Any]
+
+
+class VectorListing(BaseModel):
+    """``GET /v1/steering/vectors``; ``POST`` adds what it ``loaded``."""
+
+    object: Literal["list"] = "list"
+    default: str | None
+    policy: str
+    data: list[ArtifactInfo]
+    loaded: str | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -371,9 +400,24 @@ def parse_request(model: type[M], body: bytes) -> M:
         raise api_error(err) from None
 
 
+def is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<something>+json``, parameters aside."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
 async def read_request(request: Any, model: type[M], limit: int) -> M:
-    """The body of a Starlette ``request`` parsed as ``model``; 413 past ``limit`` bytes (before
-    reading it when announced)."""
+    """The body of a Starlette ``request`` parsed as ``model``: 415 unless it is declared JSON
+    (a web page can send ``text/plain`` cross-site without a preflight, never JSON), 413 past
+    ``limit`` bytes (before reading it when announced)."""
+    if not is_json(request.headers.get("content-type", "")):
+        raise ApiError(
+            "send the body as JSON with 'Content-Type: application/json'",
+            status=415,
+            code="unsupported_media_type",
+        )
     too_big = ApiError(
         f"request body is larger than {limit} bytes", status=413, code="request_too_large"
     )
@@ -387,3 +431,38 @@ async def read_request(request: Any, model: type[M], limit: int) -> M:
             raise too_big
         chunks.append(chunk)
     return parse_request(model, b"".join(chunks))
+
+
+# --- the OpenAPI document ------------------------------------------------------------------------
+
+#: Errors every generation endpoint may answer (the 200 answer is declared per route).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": why}
+    for status, why in {
+        400: "invalid request (the message and `param` name the field)",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "body larger than the limit",
+        415: "body not sent as application/json",
+        499: "the client went away (logged; the client never reads it)",
+        500: "server error",
+        503: "engine loading, failed or dead",
+    }.items()
+}
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` as a route's JSON body (routes parse it themselves:
+    size limit, content type and OpenAI-format errors)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def openapi_components(models: list[type[BaseModel]]) -> dict[str, Any]:
+    """JSON schemas of ``models`` and what they refer to, for ``components.schemas``."""
+    out: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out

@@ -4,6 +4,7 @@ artifacts it loads (at start, or by name at run time)."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import re
@@ -38,7 +39,10 @@ class ServerSettings:
     api_key: str | None = None
     steering: str = "auto"  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
-    exit_on_load_failure: bool = False  # the CLI: a server that cannot load should not idle
+    drain_seconds: int = 300  # on SIGTERM/SIGINT: how long in-flight requests may finish
+    host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
+    open_admin: bool = False  # allow admin endpoints without an API key on any address
+    exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
 
 
 class ServerState:
@@ -48,7 +52,7 @@ class ServerState:
         if settings.steering not in MODES:
             raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
         self.settings = settings
-        self.backend = Backend(settings.engine)
+        self.backend = Backend(settings.engine, settings.drain_seconds)
         self.policy = SteeringPolicy(
             self.backend.registry, settings.steering, settings.engine.max_abs_scale
         )
@@ -56,12 +60,46 @@ class ServerState:
         self.metrics = Metrics()
         self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
+        self.engine_died = False
+        self.stopping = False  # set on SIGINT/SIGTERM: the engine may stop, it did not die
         self.created = int(time.time())
         self.loaded = False
+        self.admin_refusal = _admin_refusal(settings)
+        if self.admin_refusal:
+            logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin_refusal)
 
     @property
     def ready(self) -> bool:
         return self.loaded and self.backend.ready
+
+    @property
+    def failed(self) -> bool:
+        """The engine failed to load or died: the process should exit non-zero."""
+        return self.load_error is not None or self.engine_died
+
+    async def run(self) -> None:
+        """Load, then watch the engine until the app shuts down (the lifespan cancels this)."""
+        await self.load()
+        if self.loaded:
+            await self.watch()
+
+    async def watch(self, every: float = 0.2) -> None:
+        """An engine that dies (EngineCore killed or crashed) fails /health at once and, from the
+        CLI, stops the process with a non-zero status so that a supervisor restarts it."""
+        while self.backend.ready:
+            await asyncio.sleep(every)
+        if self.stopping:  # EngineCore drained and stopped on the same signal as this process
+            return
+        self.engine_died = True
+        self.metrics.ready.set(0)
+        logger.critical("the engine died; failing /health%s", self._exit())
+
+    def _exit(self) -> str:
+        """Stop the process (draining HTTP) when it runs from the CLI; say so for the log."""
+        if not self.settings.exit_on_failure:
+            return ""
+        os.kill(os.getpid(), signal.SIGTERM)
+        return " and exiting"
 
     async def load(self) -> None:
         """Start the engine, register the artifacts made for this model (the first of
@@ -95,9 +133,7 @@ class ServerState:
             raise
         except BaseException as e:
             self.load_error = e
-            logger.exception("engine failed to load")
-            if self.settings.exit_on_load_failure:
-                os.kill(os.getpid(), signal.SIGTERM)
+            logger.exception("engine failed to load%s", self._exit())
 
     def _scan(self) -> list[Scanned]:
         """The artifact directories under the vectors directory, verified for this model."""
@@ -136,6 +172,8 @@ class ServerState:
     async def load_named(self, ref: str, make_default: bool) -> dict[str, Any]:
         """``POST /v1/steering/vectors``: load ``name[/version]`` (its newest version when
         omitted) from the vectors directory; never a path."""
+        if self.admin_refusal:
+            raise ApiError(self.admin_refusal, status=403, code="admin_disabled")
         if not self.ready:
             raise ApiError("the engine is still loading", status=503, type="service_unavailable")
         if not _ARTIFACT_REF.match(ref) or ".." in ref:
@@ -192,3 +230,24 @@ def check_artifacts(found: list[Scanned]) -> None:
     for s in found:
         if s.other_model:
             logger.info("skipping %s: %s", s.path, s.refused)
+
+
+def _admin_refusal(settings: ServerSettings) -> str | None:
+    """Why admin endpoints are refused: served beyond loopback with no API key and no opt-in,
+    anyone who reaches the port could change what every client gets."""
+    if settings.api_key or settings.open_admin or _loopback(settings.host):
+        return None
+    return (
+        f"the server listens on {settings.host!r} without an API key: set --api-key "
+        "(STEERSERVE_API_KEY), or allow open admin endpoints with --open-admin "
+        "(STEERSERVE_OPEN_ADMIN=1)"
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -12,16 +12,66 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Tag,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from steerserve.engine.spec import SteeringEntry, SteeringError, entry
+from steerserve.engine.spec import POSITIONS, SteeringEntry, SteeringError, entry
 
 STEERING_DOC = (
     'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
     '| {"entries": [{"vector", "layer", "scale", "positions"}]}; absent: the server default'
 )
 MODES = ("off", "on", "auto")
+
+_ENTRY_SCHEMA = {
+    "type": "object",
+    "title": "SteeringEntry",
+    "additionalProperties": False,
+    "required": ["vector", "layer"],
+    "properties": {
+        "vector": {"type": "string", "minLength": 1, "description": "a registered vector"},
+        "layer": {"type": "integer", "description": "0-based decoder block (its output)"},
+        "scale": {"type": "number", "default": 1.0},
+        "positions": {"enum": list(POSITIONS), "default": "all"},
+    },
+}
+#: The published JSON schema of ``steering`` (what clients send, before it is typed).
+STEERING_SCHEMA = {
+    "description": STEERING_DOC,
+    "anyOf": [
+        {"type": "boolean"},
+        {"enum": list(MODES)},
+        {
+            "type": "object",
+            "title": "Multipliers",
+            "additionalProperties": False,
+            "properties": {
+                "interventions": {
+                    "type": "object",
+                    "minProperties": 1,
+                    "additionalProperties": {"type": "number"},
+                },
+                "artifact": {"type": "string", "description": "name or name/version"},
+            },
+        },
+        {
+            "type": "object",
+            "title": "Entries",
+            "additionalProperties": False,
+            "required": ["entries"],
+            "properties": {"entries": {"type": "array", "minItems": 1, "items": _ENTRY_SCHEMA}},
+        },
+        {"type": "null"},
+    ],
+}
 
 
 def _refuse(message: str, field: str = "") -> PydanticCustomError:
@@ -132,4 +182,5 @@ Steering = Annotated[
     ]
     | None,
     BeforeValidator(_shorthand),
+    WithJsonSchema(STEERING_SCHEMA),
 ]
