@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from steerserve.chat import chat_ids
 from steerserve.server import protocol as P
 from steerserve.server.protocol import ApiError
 from steerserve.server.tokens import Tokens
@@ -120,25 +121,6 @@ def completion_logprobs(
         out.text_offset.append(offset + len(done.decode("utf-8", "ignore")))
         done += tokens.bytes(tid)
     return out
-
-
-# --- chat ----------------------------------------------------------------------------------------
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a chat with the model's template; base models without one get a plain
-    transcript (a lone user message is sent as is, so few-shot prompts work through chat)."""
-    if getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(enc["input_ids"] if not isinstance(enc, list) else enc)
-    turns = [m for m in messages if m["role"] != "system"]
-    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
-    if len(turns) == 1 and turns[0]["role"] == "user":
-        text = turns[0]["content"]
-    else:
-        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in turns)
-        text += "Assistant:"
-    return list(tokenizer.encode(f"{system}\n\n{text}" if system else text))
 
 
 class Events:
