@@ -1179,6 +1179,12 @@ def headroom_md(h: Mapping[str, Any]) -> list[str]:
     for name, s in c.items():
         pl = s["correct"]["per_lang"]
         lines.append(f"| {name} | " + " | ".join(pct(pl.get(g)) for g in langs) + " |")
+    lines += ["", "Mean teacher-forced log P(gold) per language (nats):", ""]
+    lines += ["| condition | " + " | ".join(langs) + " |", "|---" * (len(langs) + 1) + "|"]
+    for name, s in c.items():
+        pl = s["logp"]["per_lang"]
+        cells = [f"{pl[g]:.2f}" if pl.get(g) is not None else "—" for g in langs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Shares of the non-English items (language mean, bootstrap 95 % CI):", ""]
     lines += ["| set | % [CI] |", "|---|---|"]
     for k, s in h["shares"].items():
@@ -1353,6 +1359,19 @@ def write_report(report: Mapping[str, Any], out: Path) -> None:
         if name.startswith("oracle") and len(exp["layers"]) > 1:
             figs[f"{name.replace('@', '-')}.png"] = lambda p, e=exp: oracle_plot(e, p)
     write(out, report, "\n".join(lines) + "\n", figs, indent=1)
+    (out / "summary.json").write_text(
+        json.dumps(summary_only(report), indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
+def summary_only(d: Any) -> Any:
+    """``d`` without its per-item results (``items``, ``ids``): the small, committable part of
+    a report (the per-item results stay in report.json and partial/)."""
+    if isinstance(d, Mapping):
+        return {k: summary_only(v) for k, v in d.items() if k not in ("items", "ids")}
+    if isinstance(d, list):
+        return [summary_only(v) for v in d]
+    return d
 
 
 # --- command line ------------------------------------------------------------------------------

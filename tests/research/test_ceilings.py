@@ -3,6 +3,7 @@ against plain full forwards and the transformers steering reference."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,13 @@ def test_headroom_limits_pair_on_the_same_items(runner: Runner, tmp_path: Path) 
     assert again["conditions"]["mixed5"] == out["conditions"]["mixed5"]
     with pytest.raises(ValueError, match="native5.json holds 3 results, not 6"):
         headroom(broken, items, fact_index("calib"), 0, tmp_path, {"native5": 2})  # 2 = all items
+    # the report: per-language log P, and a small summary.json without the per-item results
+    from steerserve.research.ceilings import write_report
+
+    rep = {"model": "tiny", "experiments": {"headroom@0of1": {**out, "command": "c", "setup": ""}}}
+    write_report(rep, tmp_path / "rep")
+    assert (
+        "Mean teacher-forced log P(gold) per language" in (tmp_path / "rep/report.md").read_text()
+    )
+    summ = json.loads((tmp_path / "rep/summary.json").read_text())["experiments"]["headroom@0of1"]
+    assert "items" not in summ and "ids" not in summ and summ["conditions"] == out["conditions"]
