@@ -23,6 +23,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EN = "What is the capital city of France? Please answer briefly."
 FR = "Quelle est la capitale de la France ? Réponds brièvement, s'il te plaît."
 DE = "Was ist die Hauptstadt von Frankreich? Bitte antworte kurz."
+JA = "日本の首都はどこですか"
 
 
 def free_port() -> int:
@@ -376,6 +377,46 @@ def test_completions_batch_n_seed_stop_echo(http: httpx.Client) -> None:
         assert cut.json()["choices"][0]["finish_reason"] == "stop"
     echo = http.post("/v1/completions", json=body | {"n": 1, "prompt": "abc", "echo": True})
     assert echo.json()["choices"][0]["text"] == "abc" + text
+
+
+def test_completions_auto_decides_per_prompt(http: httpx.Client) -> None:
+    """``auto`` decides each prompt of a batch by its own language (before, the batch's joined
+    text decided for all: [en, fr] steered both, [en, en, ja] neither) and says so per choice;
+    each choice equals its prompt sent alone, collected or streamed."""
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0, "steering": "auto"}
+
+    def complete(prompt: Any, **kw: Any) -> dict[str, Any]:
+        r = http.post("/v1/completions", json=base | {"prompt": prompt} | kw)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-steerserve-steering"] == _header(r.json()["steering"])
+        return r.json()
+
+    for batch, steered in (([EN, FR], [False, True]), ([EN, EN, JA], [False, False, True])):
+        alone = [complete(p) for p in batch]
+        both = complete(batch)
+        for c, a, on in zip(both["choices"], alone, steered, strict=True):
+            assert c["steering"]["applied"] is on, (batch, c["steering"])
+            assert c["steering"] == a["steering"] == a["choices"][0]["steering"]
+            assert c["text"] == a["choices"][0]["text"]
+        assert both["steering"]["applied"] and both["steering"]["policy"] == "auto"
+        assert both["steering"]["detected_language"] is None  # prompts differ
+        assert both["steering"]["interventions"] == alone[-1]["steering"]["interventions"]
+        streamed: dict[int, str] = {}
+        told: dict[int, Any] = {}
+        with http.stream(
+            "POST", "/v1/completions", json=base | {"prompt": batch, "stream": True}
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+                        if "steering" in ch:
+                            assert ch["index"] not in told  # once per choice
+                            told[ch["index"]] = ch["steering"]
+        assert streamed == {i: c["text"] for i, c in enumerate(both["choices"])}
+        assert told == {i: c["steering"] for i, c in enumerate(both["choices"])}
+    same = complete([FR, DE])  # both steered, languages differ
+    assert same["steering"]["applied"] and all(c["steering"]["applied"] for c in same["choices"])
 
 
 def test_chat_logprobs(http: httpx.Client) -> None:

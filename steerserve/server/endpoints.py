@@ -22,11 +22,12 @@ MAX_PROMPTS = 128
 
 @dataclass
 class Prompts:
-    """A request's prompts: token ids, their texts (echo) and the text ``auto`` detects."""
+    """A request's prompts: token ids, their texts (echo) and, per prompt, the text ``auto``
+    detects the language of."""
 
     ids: list[list[int]]
     texts: list[str]
-    language_text: str
+    language_texts: list[str]
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,10 @@ class ArmOutput:
     """The final engine outputs of one steering arm, one per prompt."""
 
     rid: str  # the response id
-    info: P.SteeringInfo
+    info: P.SteeringInfo  # of the whole answer
     outputs: list[Any]
     usage: P.Usage
+    infos: list[P.SteeringInfo]  # per prompt (``auto`` decides each prompt by its language)
 
     def fields(self, model: str) -> dict[str, Any]:
         """The fields of the answer besides its choices."""
@@ -130,9 +132,16 @@ class Events:
     chunk: type[P.ChatCompletionChunk] | type[P.Completion]
 
     def __init__(
-        self, req: Any, prompts: Prompts, rid: str, info: P.SteeringInfo, tokens: Tokens
+        self,
+        req: Any,
+        prompts: Prompts,
+        rid: str,
+        info: P.SteeringInfo,
+        tokens: Tokens,
+        infos: list[P.SteeringInfo],
     ) -> None:
         self.req, self.prompts, self.rid, self.info, self.tok = req, prompts, rid, info, tokens
+        self.infos = infos  # per prompt
         self.created = int(time.time())
 
     def _chunk(self, choices: list[Any], **kw: Any) -> str:
@@ -182,7 +191,7 @@ class ChatEvents(Events):
 class CompletionEvents(Events):
     """Completion chunks of several prompts merged as they come (choice index = prompt * n +
     sample), echoed prompts first if asked for, then usage if asked for. The first chunk carries
-    the steering."""
+    the answer's steering, each choice's first chunk its prompt's."""
 
     chunk = P.Completion
 
@@ -190,6 +199,12 @@ class CompletionEvents(Events):
         super().__init__(*args)
         self.offsets: dict[int, int] = {}
         self.first = True
+        self.told: set[int] = set()  # choices whose steering was sent
+
+    def _choice(self, i: int, idx: int, **kw: Any) -> P.CompletionChoice:
+        steering = None if idx in self.told else self.infos[i]
+        self.told.add(idx)
+        return P.CompletionChoice(index=idx, steering=steering, **kw)
 
     def _chunk(self, choices: list[Any], **kw: Any) -> str:
         if self.first:
@@ -202,8 +217,7 @@ class CompletionEvents(Events):
             for i, text in enumerate(self.prompts.texts):
                 for j in range(self.req.n):
                     yield self._chunk(
-                        [P.CompletionChoice(index=i * self.req.n + j, text=text)],
-                        steering=self.info,
+                        [self._choice(i, i * self.req.n + j, text=text)], steering=self.info
                     )
 
     def step(self, i: int, out: Any) -> Iterator[str]:
@@ -216,14 +230,11 @@ class CompletionEvents(Events):
                     list(o.token_ids), o.logprobs, self.req.logprobs, self.tok, offset
                 )
                 self.offsets[idx] = offset + len(o.text)
-            if o.text or lp or o.finish_reason or self.first:
-                yield self._chunk(
-                    [
-                        P.CompletionChoice(
-                            index=idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
-                        )
-                    ]
+            if o.text or lp or o.finish_reason or idx not in self.told:
+                choice = self._choice(
+                    i, idx, text=o.text, logprobs=lp, finish_reason=o.finish_reason
                 )
+                yield self._chunk([choice])
 
 
 class Endpoint:
@@ -281,7 +292,7 @@ class Chat(Endpoint):
                 f"messages: the chat template refused them: {e}", param="messages"
             ) from None
         user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return Prompts([ids], [user], user)
+        return Prompts([ids], [user], [user])
 
     def logprobs(self, req: P.ChatCompletionRequest) -> int | None:
         return (req.top_logprobs or 0) if req.logprobs else None
@@ -363,12 +374,12 @@ class Completions(Endpoint):
                 ids = [list(tokenizer.encode(t)) for t in p]
             except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
                 raise ApiError(f"prompt: cannot be tokenized: {e}", param="prompt") from None
-            return Prompts(ids, list(p), "\n".join(p))
+            return Prompts(ids, list(p), list(p))
         ids = [list(x) for x in p]
         for x in ids:
             _check_ids(x, vocab_size)
         texts = [tokenizer.decode(x) for x in ids]
-        return Prompts(ids, texts, "\n".join(texts))
+        return Prompts(ids, texts, texts)
 
     def logprobs(self, req: P.CompletionRequest) -> int | None:
         return req.logprobs
@@ -388,6 +399,7 @@ class Completions(Endpoint):
                         text=echo + o.text,
                         logprobs=lp,
                         finish_reason=o.finish_reason,
+                        steering=arm.infos[i],
                     )
                 )
         return P.Completion(choices=choices, **arm.fields(req.model))

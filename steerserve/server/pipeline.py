@@ -27,8 +27,15 @@ from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
 from steerserve.server.backend import copies, engine_error
 from steerserve.server.endpoints import ArmOutput, Endpoint, Prompts, sse
+from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED
 from steerserve.server.policy import OFF
-from steerserve.server.protocol import ApiError, SteeringInfo, Usage, read_request
+from steerserve.server.protocol import (
+    ApiError,
+    ExperimentInfo,
+    SteeringInfo,
+    Usage,
+    read_request,
+)
 from steerserve.server.steering import SteeringSpec
 
 if TYPE_CHECKING:
@@ -54,6 +61,8 @@ class Call:
     arm: str = "none"
     t0: float = field(default_factory=time.perf_counter)
     done: bool = False
+    experiment: Enrolled | None = None  # under the server's A/B experiment
+    tokens: tuple[int, int] = (0, 0)  # prompt, completion (all arms), once settled
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> N
     call.done = True
     seconds = time.perf_counter() - call.t0
     state.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
+    if call.experiment is not None:
+        settle_experiment(state, call, status, seconds if timed else None)
     logger.info(
         "request endpoint=%s arm=%s status=%d ms=%.1f",
         call.endpoint,
@@ -143,6 +154,10 @@ class Flight:
         self.state.metrics.queue_depth.dec()
         for arm, (prompt, completion) in self.tokens.items():
             self.state.metrics.count_tokens(arm, prompt, completion)
+        self.call.tokens = (
+            sum(t[0] for t in self.tokens.values()),
+            sum(t[1] for t in self.tokens.values()),
+        )
         finish(self.state, self.call, status)
 
 
@@ -163,7 +178,11 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     backend = state.backend
     backend.check_size(*ep.size(req))
     prompts = await backend.off_loop(ep.prompts, req, backend.tokenizer, backend.vocab_size)
-    arms = await steer(state, req.steering, prompts.language_text, ep.ab)
+    spec = enrol(state, request, req, ep)
+    per_prompt = await steer_prompts(state, spec, prompts.language_texts, ep.ab)
+    if call.experiment is not None:
+        per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
+    arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
     call.arm = "ab" if ep.ab else arms[0].label
     from vllm.sampling_params import RequestOutputKind
 
@@ -173,29 +192,38 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         backend.sampling_params(req, len(ids), logprobs=lp, output_kind=kind) for ids in prompts.ids
     ]
     rid = f"{ep.id_prefix}-{uuid.uuid4().hex}"
+    await decide(state, call, rid, arms[0], prompts)
     gens = [
         [
-            backend.generate(ids, sp, arm.prepared, f"{rid}{arm.suffix}-{i}", copies(req))
+            backend.generate(
+                ids, sp, per_prompt[i][a].prepared, f"{rid}{arm.suffix}-{i}", copies(req)
+            )
             for i, (ids, sp) in enumerate(zip(prompts.ids, params, strict=True))
         ]
-        for arm in arms
+        for a, arm in enumerate(arms)
     ]
     headers = {HEADER: arms[-1].info.header()}
     if req.stream:
         [arm] = arms
-        events = ep.events(req, prompts, rid, arm.info, backend.tokens)
-        return await stream(state, call, request, arm, events, gens[0], prompts, headers)
+        labels = [p[0].label for p in per_prompt]
+        infos = [p[0].info for p in per_prompt]
+        events = ep.events(req, prompts, rid, arm.info, backend.tokens, infos)
+        return await stream(state, call, request, labels, events, gens[0], prompts, headers)
     every = [g for per_arm in gens for g in per_arm]
     async with Flight(state, call, request, every) as flight:
         outs = await until_disconnect(request, collect_all(gens))
-        usage = [_usage(out) for out in outs]
-        for arm, u in zip(arms, usage, strict=True):
-            flight.count(arm.label, u.prompt_tokens, u.completion_tokens)
+        for a, per_arm in enumerate(outs):
+            for p, out in zip(per_prompt, per_arm, strict=True):
+                u = _usage([out])
+                flight.count(p[a].label, u.prompt_tokens, u.completion_tokens)
+        if call.experiment is not None and call.experiment.replies is not None:
+            for i, out in enumerate(outs[0]):
+                call.experiment.replies.update({(i, c.index): c.text for c in out.outputs})
     if flight.status == 499:
         return Response(status_code=499)
     answers = [
-        ArmOutput(rid + a.suffix, a.info, out, u)
-        for a, out, u in zip(arms, outs, usage, strict=True)
+        ArmOutput(rid + arm.suffix, arm.info, out, _usage(out), [p[a].info for p in per_prompt])
+        for a, (arm, out) in enumerate(zip(arms, outs, strict=True))
     ]
     body = ep.answer(req, prompts, answers, backend.tokens)
     return Response(body.model_dump_json(), media_type="application/json", headers=headers)
@@ -216,6 +244,33 @@ def check(state: ServerState, model: str) -> None:
             status=503,
             type="service_unavailable",
         )
+
+
+async def steer_prompts(
+    state: ServerState, spec: SteeringSpec | None, texts: list[str], ab: bool
+) -> list[list[Arm]]:
+    """Per prompt, its arms: ``auto`` decides each prompt by its own language (a batch of an
+    English and a French prompt steers the French one only); other steering decides once."""
+    if not state.policy.detects(spec):
+        return [await steer(state, spec, "", ab)] * len(texts)
+    decided: dict[str, list[Arm]] = {}
+    for text in texts:
+        if text not in decided:
+            decided[text] = await steer(state, spec, text, ab)
+    return [decided[t] for t in texts]
+
+
+def summary(arms: list[Arm]) -> Arm:
+    """One arm standing for the same arm of every prompt (labels, header and the answer's
+    ``steering``): itself when all agree; otherwise steered when any prompt is, with the
+    interventions of a steered prompt and no single detected language."""
+    first = arms[0]
+    if all(a.info == first.info for a in arms):
+        return first
+    steered = [a for a in arms if a.prepared.steered]
+    model = steered[0] if steered else first
+    info = model.info.model_copy(update={"detected_language": None})
+    return dataclasses.replace(model, info=info)
 
 
 async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bool) -> list[Arm]:
@@ -242,6 +297,94 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
         Arm("unsteered", UNSTEERED, OFF.info(False), "-a"),
         dataclasses.replace(arm, suffix="-b"),
     ]
+
+
+# --- the A/B experiment ------------------------------------------------------------------------
+
+
+@dataclass
+class Enrolled:
+    """A request under the server's A/B experiment: its ``experiment`` echo and, when enrolled,
+    what the decision log gets once it is answered (``replies`` only with --ab-log-content)."""
+
+    echo: ExperimentInfo
+    rid: str = ""
+    decision: dict[str, Any] | None = None
+    replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
+
+    def add_replies(self, i: int, out: Any) -> None:
+        """A streamed step's text deltas of prompt ``i``."""
+        assert self.replies is not None
+        for c in out.outputs:
+            self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
+
+
+def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> SteeringSpec | None:
+    """The steering under the A/B experiment: a request without ``steering`` and with a subject
+    (its ``user``, else the subject header) gets its arm's; one without a subject is served as
+    before, marked un-enrolled. Explicit steering and the A/B endpoint are left alone."""
+    exp = state.experiment
+    if exp is None or ep.ab or req.steering is not None:
+        return req.steering
+    call: Call = request.state.call
+    subject = req.user or request.headers.get(SUBJECT_HEADER)
+    if not subject:
+        call.experiment = Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
+        return None
+    a = exp.assign(subject)
+    call.experiment = Enrolled(ExperimentInfo(**a.echo()))
+    return exp.steering(a.arm, state.settings.steering)
+
+
+def tagged(arm: Arm, echo: ExperimentInfo) -> Arm:
+    return dataclasses.replace(arm, info=arm.info.model_copy(update={"experiment": echo}))
+
+
+async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Prompts) -> None:
+    """An enrolled request's decision, logged when it is answered. The language is detected for
+    both arms (``auto`` already did for the steered one), so the report compares like with like."""
+    ab = call.experiment
+    if ab is None or ab.echo.arm == UNENROLLED:
+        return
+    info, text = arm.info, "\n".join(prompts.language_texts)
+    lang = info.detected_language
+    if lang is None:
+        try:
+            lang = await asyncio.to_thread(state.detector.detect, text)
+        except Exception:  # undetectable text
+            lang = None
+    ab.rid = rid
+    ab.replies = {} if state.decisions.log.content else None
+    ab.decision = {
+        "experiment": ab.echo.name,
+        "arm": ab.echo.arm,
+        "subject_hash": ab.echo.subject_hash,
+        "endpoint": call.endpoint,
+        "model": state.model_name,
+        "language": lang,
+        "applied": info.applied,
+        "vectors": [iv.vector for iv in info.interventions],
+        "prompt": prompts.texts,  # dropped unless --ab-log-content
+    }
+
+
+def settle_experiment(state: ServerState, call: Call, status: int, seconds: float | None) -> None:
+    """Metrics by experiment and arm; an answered enrolled request goes to the decision log (a
+    failed write is counted there, never the request's failure)."""
+    ab = call.experiment
+    assert ab is not None
+    state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, call.tokens)
+    if ab.decision is None or status != 200:
+        return
+    record = {
+        **ab.decision,
+        "latency_ms": None if seconds is None else round(seconds * 1e3, 1),
+        "prompt_tokens": call.tokens[0],
+        "completion_tokens": call.tokens[1],
+    }
+    if ab.replies is not None:
+        record["reply"] = [ab.replies[k] for k in sorted(ab.replies)]
+    state.decisions.record(ab.rid, record)
 
 
 # --- collect ------------------------------------------------------------------------------------
@@ -305,7 +448,7 @@ async def stream(
     state: ServerState,
     call: Call,
     request: Request,
-    arm: Arm,
+    labels: list[str],
     events: Any,
     gens: list[AsyncGenerator],
     prompts: Prompts,
@@ -323,7 +466,7 @@ async def stream(
         for g in gens:
             await g.aclose()
         raise engine_error(e) from None
-    body = _events(state, call, request, arm, events, gens, firsts, sum(map(len, prompts.ids)))
+    body = _events(state, call, request, labels, events, gens, firsts, prompts)
     headers = {**headers, "cache-control": "no-cache"}
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
@@ -343,15 +486,18 @@ async def _events(
     state: ServerState,
     call: Call,
     request: Request,
-    arm: Arm,
+    labels: list[str],
     events: Any,
     gens: list[AsyncGenerator],
     firsts: list[Any],
-    prompt_tokens: int,
+    prompts: Prompts,
 ) -> AsyncIterator[str]:
-    """The endpoint's events, ``[DONE]``, an engine error as a final OpenAI-format event."""
+    """The endpoint's events, ``[DONE]``, an engine error as a final OpenAI-format event
+    (tokens counted under each prompt's arm ``labels``)."""
+    prompt_tokens = sum(map(len, prompts.ids))
     async with Flight(state, call, request, gens) as flight:
-        flight.count(arm.label, prompt_tokens, 0)
+        for label, ids in zip(labels, prompts.ids, strict=True):
+            flight.count(label, len(ids), 0)
         merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)])
         completion = 0
         try:
@@ -360,7 +506,9 @@ async def _events(
             async for i, out in merged:
                 n = sum(len(o.token_ids) for o in out.outputs)
                 completion += n
-                flight.count(arm.label, 0, n)
+                flight.count(labels[i], 0, n)
+                if call.experiment is not None and call.experiment.replies is not None:
+                    call.experiment.add_replies(i, out)
                 for ev in events.step(i, out):
                     yield ev
             for ev in events.tail(Usage.of(prompt_tokens, completion)):

@@ -189,6 +189,22 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+class FeedbackRequest(_Request):
+    id: str = Field(min_length=1, max_length=200, description="the answer's completion id")
+    score: float = Field(allow_inf_nan=False, description="the outcome, e.g. 1 thumbs up, 0 down")
+
+
+class FeedbackAnswer(BaseModel):
+    """``POST /v1/steering/feedback``: the feedback, joined to its request's arm."""
+
+    object: Literal["steering.feedback"] = "steering.feedback"
+    id: str
+    score: float
+    experiment: str | None
+    arm: str | None
+    language: str | None
+
+
 class VectorLoadRequest(_Request):
     name: str = Field(description="artifact name, optionally /version; never a path")
     default: bool = Field(False, description="make it the artifact `steering: true` uses")
@@ -208,15 +224,25 @@ class AppliedIntervention(BaseModel):
     positions: str
 
 
+class ExperimentInfo(BaseModel):
+    """A request's place in the server's A/B experiment (``--ab-split``)."""
+
+    name: str
+    arm: str = Field(description="steered | unsteered | unenrolled (no user, no subject header)")
+    subject_hash: str | None = None
+
+
 class SteeringInfo(BaseModel):
     applied: bool
     policy: str
     interventions: list[AppliedIntervention] = Field(default_factory=list)
     detected_language: str | None = None
+    # only under an A/B experiment (``--ab-split``): answers are unchanged without one
+    experiment: ExperimentInfo | None = Field(None, exclude_if=lambda v: v is None)
 
     def header(self) -> str:
-        """``x-steerserve-steering``: compact ASCII JSON, or ``off``."""
-        if not self.applied:
+        """``x-steerserve-steering``: compact ASCII JSON, or ``off`` (unsteered, no experiment)."""
+        if not self.applied and self.experiment is None:
             return "off"
         return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"))
 
@@ -307,6 +333,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # the steering of this choice's prompt (``auto`` decides each prompt by its own language;
+    # the answer's ``steering`` sums them up); in a stream, on the choice's first chunk
+    steering: SteeringInfo | None = None
 
 
 class Completion(_Answer):
