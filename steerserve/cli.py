@@ -127,6 +127,31 @@ def serve(
         help="Allow POST /v1/steering/vectors without --api-key on a non-loopback --host "
         "(refused by default: anyone reaching the port could change every client's steering).",
     ),
+    ab_split: float = typer.Option(
+        0.0,
+        envvar="STEERSERVE_AB_SPLIT",
+        help="A/B experiment: the share of users (OpenAI 'user' field, else the "
+        "x-steerserve-subject header) steered, the same users every time; requests with "
+        "'steering' keep theirs. 0: no experiment.",
+    ),
+    ab_name: str = typer.Option(
+        "default",
+        envvar="STEERSERVE_AB_NAME",
+        help="A/B experiment name: part of the assignment hash (a new name reshuffles users).",
+    ),
+    ab_log: str = typer.Option(
+        None,
+        envvar="STEERSERVE_AB_LOG",
+        help="A/B decision log (JSONL, appended): one line per answered enrolled request, and "
+        "the scores POST /v1/steering/feedback joins to them. Read it with 'steerserve ab-report'.",
+        show_default=False,
+    ),
+    ab_log_content: bool = typer.Option(
+        False,
+        "--ab-log-content",
+        envvar="STEERSERVE_AB_LOG_CONTENT",
+        help="Also log prompts and replies (off by default: they may be personal data).",
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, A/B) with per-request steering.
     Exits 1 when the engine fails to load or dies (for a supervisor to restart it)."""
@@ -138,6 +163,7 @@ def serve(
 
     if steering not in ("off", "on", "auto"):
         raise typer.BadParameter(f"--steering must be off, on or auto, not {steering!r}")
+    _check_experiment(ab_split, ab_name, ab_log)
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -176,8 +202,46 @@ def serve(
         host=host,
         open_admin=open_admin,
         exit_on_failure=True,
+        ab_split=ab_split,
+        ab_name=ab_name,
+        ab_log=ab_log,
+        ab_log_content=ab_log_content,
     )
     raise typer.Exit(run_server(settings, port, log_level))
+
+
+def _check_experiment(split: float, name: str, log: str | None) -> None:
+    """Refuse a bad split or an unwritable log before the engine starts, naming the option."""
+    from steerserve.server.experiment import DecisionLog, Experiment
+
+    try:
+        Experiment(name, split)
+        DecisionLog(log).close()
+    except ValueError as e:
+        option = str(e).split(":", 1)[0]
+        raise typer.BadParameter(str(e).split(": ", 1)[-1], param_hint=option) from None
+
+
+@app.command("ab-report")
+def ab_report(
+    log: Path = typer.Argument(..., help="The decision log of 'steerserve serve --ab-log'."),
+    out: Path = typer.Option(
+        None, "--out", help="Folder for report.md, report.json and report.png (default: none)."
+    ),
+    min_scored: int = typer.Option(
+        30, min=2, help="Scored replies needed per arm before a winner is called."
+    ),
+) -> None:
+    """Who won the server's A/B experiment: per arm and detected language, requests, mean
+    feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95."""
+    from steerserve.ab_report import build_report, read_log, report_markdown, write_report
+
+    if not log.is_file():
+        raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
+    rep = build_report(read_log(log), min_n=min_scored)
+    typer.echo(report_markdown(rep), nl=False)
+    if out is not None:
+        typer.echo(f"\nwrote {write_report(rep, out)} (+ report.json, report.png)")
 
 
 # --- vectors: inspect and verify artifacts ------------------------------------------------------

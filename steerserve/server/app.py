@@ -74,6 +74,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
             await state.backend.shutdown()
+            state.decisions.log.close()
             logger.info("engine shut down")
 
     app = FastAPI(title="steerserve", version="0.1.0", lifespan=lifespan)
@@ -99,6 +100,7 @@ REQUEST_MODELS: list[type[BaseModel]] = [
     P.ChatCompletionRequest,
     P.CompletionRequest,
     P.VectorLoadRequest,
+    P.FeedbackRequest,
 ]
 
 
@@ -205,6 +207,22 @@ def _v1_router() -> APIRouter:
     )
     async def list_vectors(request: Request) -> dict[str, Any]:
         return _state(request).listing()
+
+    feedback = _route(P.FeedbackRequest, P.FeedbackAnswer)
+    feedback["responses"] |= {
+        404: {"model": P.ErrorResponse, "description": "no answer of the experiment has this id"},
+        409: {"model": P.ErrorResponse, "description": "the server keeps no decision log"},
+    }
+
+    @r.post("/steering/feedback", response_model=None, **feedback)
+    async def steering_feedback(request: Request) -> dict[str, Any]:
+        """Join an outcome (thumbs up, task success) to the A/B arm of an answer."""
+        s = _state(request)
+        call = request.state.call = pipeline.Call("feedback")
+        req = await read_request(request, P.FeedbackRequest, s.settings.max_body_bytes)
+        out = s.feedback(req.id, req.score)
+        pipeline.finish(s, call, 200, timed=False)
+        return out
 
     admin = _route(P.VectorLoadRequest, P.VectorListing)
     admin["responses"] |= {

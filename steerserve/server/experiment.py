@@ -16,13 +16,20 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steerserve.server.steering import Auto, Off, On, SteeringSpec
+
 logger = logging.getLogger(__name__)
 
 STEERED, UNSTEERED = "steered", "unsteered"
+#: The arm of a request the experiment could not place: no ``user`` field and no subject header.
+UNENROLLED = "unenrolled"
+#: A request's subject when it has no OpenAI ``user`` field.
+SUBJECT_HEADER = "x-steerserve-subject"
 #: Completion ids remembered for feedback (oldest forgotten first).
 MAX_REMEMBERED = 200_000
 
@@ -62,14 +69,29 @@ class Experiment:
         u = int(digest[:15], 16) / 16**15
         return Assignment(self.name, STEERED if u < self.split else UNSTEERED, digest[:16])
 
+    @staticmethod
+    def steering(arm: str, default: str) -> SteeringSpec:
+        """An arm's steering: the unsteered arm none; the steered arm the server's policy
+        (``auto`` stays ``auto``: English prompts of the steered arm are not steered), ``on``
+        when the server's default is ``off`` or ``on``."""
+        if arm == UNSTEERED:
+            return Off()
+        return Auto() if default == "auto" else On()
+
 
 class DecisionLog:
     """Append-only JSONL of decisions and feedback. A write that fails (full disk) never fails
     the request: it is counted in ``failures`` and logged once, not per request."""
 
-    def __init__(self, path: str | Path | None, content: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path | None,
+        content: bool = False,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.path = None if path is None else Path(path)
         self.content = content
+        self.on_failure = on_failure  # e.g. a metric's increment
         self.failures = 0
         self._warned = False
         self._lock = threading.Lock()
@@ -97,6 +119,8 @@ class DecisionLog:
                 return True
             except OSError as e:
                 self.failures += 1
+                if self.on_failure is not None:
+                    self.on_failure()
                 if not self._warned:
                     self._warned = True
                     logger.error(

@@ -10,7 +10,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 class Metrics:
     """``arm`` label values: steered, unsteered, ab (both arms of an A/B call), none (refused
-    before steering was decided)."""
+    before steering was decided). The ``steerserve_ab_*`` series are the server-side experiment's
+    arms (assigned, whether or not the steering applied to the prompt)."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -42,6 +43,31 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("steerserve_engine_ready", "1 once the engine is loaded.", registry=r)
+        ab = ["experiment", "arm"]  # arm: steered | unsteered | unenrolled
+        self.ab_requests = Counter(
+            "steerserve_ab_requests",
+            "Requests under the A/B experiment by experiment, arm and HTTP status.",
+            [*ab, "status"],
+            registry=r,
+        )
+        self.ab_tokens = Counter(
+            "steerserve_ab_tokens",
+            "Tokens under the A/B experiment by experiment, arm and kind (prompt, completion).",
+            [*ab, "kind"],
+            registry=r,
+        )
+        self.ab_latency = Histogram(
+            "steerserve_ab_request_latency_seconds",
+            "Request latency under the A/B experiment by experiment and arm.",
+            ab,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ab_log_failures = Counter(
+            "steerserve_ab_log_failures",
+            "Decision-log writes that failed (a full disk...); the requests were still answered.",
+            registry=r,
+        )
 
     def observe(self, endpoint: str, arm: str, status: int, seconds: float | None) -> None:
         self.requests.labels(endpoint, arm, str(status)).inc()
@@ -53,6 +79,16 @@ class Metrics:
             self.tokens.labels(arm, "prompt").inc(prompt)
         if completion:
             self.tokens.labels(arm, "completion").inc(completion)
+
+    def observe_ab(
+        self, name: str, arm: str, status: int, seconds: float | None, tokens: tuple[int, int]
+    ) -> None:
+        self.ab_requests.labels(name, arm, str(status)).inc()
+        if seconds is not None:
+            self.ab_latency.labels(name, arm).observe(seconds)
+        for kind, n in zip(("prompt", "completion"), tokens, strict=True):
+            if n:
+                self.ab_tokens.labels(name, arm, kind).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

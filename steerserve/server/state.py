@@ -17,6 +17,7 @@ from typing import Any
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts, version_key
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
+from steerserve.server.experiment import STEERED, DecisionLog, Decisions, Experiment
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
@@ -43,6 +44,10 @@ class ServerSettings:
     host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = False  # allow admin endpoints without an API key on any address
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
+    ab_split: float = 0.0  # the A/B experiment: share of subjects steered (0: no experiment)
+    ab_name: str = "default"  # part of the assignment hash: a new name reshuffles
+    ab_log: str | None = None  # the JSONL decision log (feedback needs it)
+    ab_log_content: bool = False  # prompts and replies in the log (they may be personal data)
 
 
 class ServerState:
@@ -58,6 +63,12 @@ class ServerState:
         )
         self.detector = LanguageDetector()
         self.metrics = Metrics()
+        exp = Experiment(settings.ab_name, settings.ab_split)  # ValueError naming the option
+        self.experiment = exp if exp.enabled else None
+        log = DecisionLog(
+            settings.ab_log, settings.ab_log_content, self.metrics.ab_log_failures.inc
+        )
+        self.decisions = Decisions(log)
         self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
         self.engine_died = False
@@ -107,6 +118,11 @@ class ServerState:
         try:
             found = await asyncio.to_thread(self._scan) if self.backend.cfg.steering else []
             check_artifacts(found)  # before the engine: a refusal costs no engine start
+            if self.experiment is not None and not any(s.artifact for s in found):
+                raise RuntimeError(
+                    f"--ab-split {self.experiment.split}: no steering artifact for this model "
+                    f"under {self.settings.vectors_dir!r}, so the steered arm would not be steered"
+                )
             await self.backend.start()
             for art in newest_first(s.artifact for s in found if s.artifact is not None):
                 await self.add_artifact(art)
@@ -129,6 +145,14 @@ class ServerState:
                 self.policy.default_artifact,
                 self.policy.default,
             )
+            if (exp := self.experiment) is not None:
+                logger.info(
+                    "A/B experiment %r: %.0f%% of subjects steered (steering %s), decision log %s",
+                    exp.name,
+                    exp.split * 100,
+                    type(exp.steering(STEERED, self.settings.steering)).__name__,
+                    self.settings.ab_log,
+                )
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -147,6 +171,28 @@ class ServerState:
             await self.backend.register(name, tensor, str(art.path))
         self.policy.add(art, make_default)
         return art
+
+    def feedback(self, rid: str, score: float) -> dict[str, Any]:
+        """``POST /v1/steering/feedback``: a score appended to the decision log, joined to the
+        arm of the answer ``rid`` (an enrolled request this server, or one before it, answered)."""
+        if not self.decisions.log.enabled:
+            raise ApiError(
+                "feedback needs a decision log: start the server with --ab-log (STEERSERVE_AB_LOG)",
+                status=409,
+                code="no_decision_log",
+            )
+        try:
+            known = self.decisions.feedback(rid, score)
+        except KeyError:
+            raise ApiError(
+                f"id: {rid!r} is not an answer of the A/B experiment",
+                status=404,
+                param="id",
+                code="decision_not_found",
+            ) from None
+        except ValueError as e:
+            raise ApiError(str(e), param="score") from None
+        return {"object": "steering.feedback", "id": rid, "score": score, **known}
 
     # --- the vectors endpoints -------------------------------------------------------------------
 

@@ -1,0 +1,233 @@
+"""The server-side A/B experiment (``--ab-split``) over real HTTP on the tiny Llama: a sticky,
+balanced split by user, the arm in every answer, metric and log line, explicit steering winning,
+feedback joined to the arm, and the same arms after a restart. One server, restarted once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_server import AUTH, FR, Server, chat_body, make_artifact, metric
+
+from steerserve.server.experiment import DecisionLog, Experiment
+
+NAME = "exp-1"
+USERS = [f"user-{i}" for i in range(200)]
+
+
+def _settings(tiny_llama: Path, root: Path, **kw: Any) -> Any:
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings
+
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
+    ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl"), **kw}
+    return ServerSettings(engine=cfg, vectors_dir=str(root / "vectors"), api_key="test-key", **ab)
+
+
+def _start(settings: Any) -> Server:
+    from steerserve.server import create_app
+
+    srv = Server(create_app(settings))
+    srv.start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    root = tmp_path_factory.mktemp("ab")
+    make_artifact(root / "vectors", tiny_llama, "v1")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ab(tiny_llama: Path, root: Path) -> Iterator[Server]:
+    srv = _start(_settings(tiny_llama, root))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(ab: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=ab.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+def ask(http: httpx.Client, user: str | None = None, header: bool = False, **kw: Any) -> Any:
+    """One short French chat as ``user`` (in the ``user`` field or the subject header)."""
+    body = chat_body(FR, max_tokens=1, **kw)
+    headers = {}
+    if user is not None and header:
+        headers["x-steerserve-subject"] = user
+    elif user is not None:
+        body["user"] = user
+    r = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    steering = r.json()["steering"]
+    exp = steering.get("experiment")
+    if exp is not None:  # the header says what the body says
+        assert json.loads(r.headers["x-steerserve-steering"])["experiment"] == {
+            k: v for k, v in exp.items() if v is not None
+        }
+    return r.json()
+
+
+def arms(http: httpx.Client, users: list[str], header: bool = False) -> dict[str, str]:
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(lambda u: ask(http, u, header), users))
+    for a in answers:  # the steered arm is steered (auto: the French prompt), the other not
+        exp = a["steering"]["experiment"]
+        assert a["steering"]["applied"] is (exp["arm"] == "steered"), a["steering"]
+    return {u: a["steering"]["experiment"]["arm"] for u, a in zip(users, answers, strict=True)}
+
+
+def log_lines(root: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (root / "ab.jsonl").read_text().splitlines()]
+
+
+def test_split_is_balanced_and_sticky(http: httpx.Client) -> None:
+    """200 users split within binomial bounds, each as the hash says, the same on a repeat
+    whether the subject comes as ``user`` or as the header."""
+    first = arms(http, USERS)
+    steered = sum(a == "steered" for a in first.values())
+    assert 100 - 4 * 7.1 <= steered <= 100 + 4 * 7.1, steered  # binomial(200, 0.5): sd 7.1
+    assert first == {u: Experiment(NAME, 0.5).assign(u).arm for u in USERS}
+    assert arms(http, USERS[:40], header=True) == {u: first[u] for u in USERS[:40]}
+
+
+def test_explicit_steering_wins_and_no_subject_is_unenrolled(http: httpx.Client) -> None:
+    steered = next(u for u in USERS if Experiment(NAME, 0.5).assign(u).arm == "steered")
+    unsteered = next(u for u in USERS if Experiment(NAME, 0.5).assign(u).arm == "unsteered")
+    off = ask(http, steered, steering=False)["steering"]
+    assert off["applied"] is False and "experiment" not in off
+    on = ask(http, unsteered, steering=True)["steering"]
+    assert on["applied"] is True and "experiment" not in on
+    alone = ask(http)["steering"]  # no subject: served as before (auto steers French), marked
+    assert alone["applied"] is True
+    assert alone["experiment"] == {"name": NAME, "arm": "unenrolled", "subject_hash": None}
+    r = http.post("/v1/chat/completions/ab", json=chat_body(FR, max_tokens=2, user=steered))
+    assert r.status_code == 200 and "experiment" not in r.json()["steered"]["steering"], r.text
+
+
+def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Path) -> None:
+    lines = [x for x in log_lines(root) if x["type"] == "decision"]
+    assert len(lines) == len(USERS) + 40  # enrolled and answered only
+    for arm in ("steered", "unsteered"):
+        mine = [x for x in lines if x["arm"] == arm]
+        labels = {"experiment": NAME, "arm": arm}
+        assert metric(http, "steerserve_ab_requests_total", **labels, status="200") == len(mine)
+        assert metric(http, "steerserve_ab_request_latency_seconds_count", **labels) == len(mine)
+        tokens = sum(x["prompt_tokens"] + x["completion_tokens"] for x in mine)
+        assert metric(http, "steerserve_ab_tokens_total", **labels) == tokens
+    assert metric(http, "steerserve_ab_requests_total", arm="unenrolled") >= 1
+    x = lines[0]
+    assert x["experiment"] == NAME and x["model"] == "llama" and x["language"] == "fr"
+    assert x["latency_ms"] > 0 and x["completion_tokens"] == 1 and x["id"].startswith("chatcmpl-")
+    by_hash = {a.subject_hash: a.arm for a in map(Experiment(NAME, 0.5).assign, USERS)}
+    assert all(by_hash[x["subject_hash"]] == x["arm"] for x in lines)
+    assert x["vectors"] == (["tiny/v1/recall", "tiny/v1/translation"] if x["applied"] else [])
+    assert "prompt" not in x and "reply" not in x  # content only with --ab-log-content
+    # a full disk: still answered, counted, not per request in the server's log
+    state = ab.app.state.steer
+    kept, state.decisions.log = (
+        state.decisions.log,
+        DecisionLog("/dev/full", on_failure=state.metrics.ab_log_failures.inc),
+    )
+    try:
+        ask(http, USERS[0])
+        ask(http, USERS[1])
+    finally:
+        state.decisions.log = kept
+    assert metric(http, "steerserve_ab_log_failures_total") == 2
+
+
+def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> None:
+    from steerserve.ab_report import read_log
+
+    rid = ask(http, USERS[2])["id"]
+    r = http.post("/v1/steering/feedback", json={"id": rid, "score": 1})
+    assert r.status_code == 200, r.text
+    want = Experiment(NAME, 0.5).assign(USERS[2]).arm
+    assert r.json() == {
+        "object": "steering.feedback",
+        "id": rid,
+        "score": 1.0,
+        "experiment": NAME,
+        "arm": want,
+        "language": "fr",
+    }
+    row = next(x for x in read_log(root / "ab.jsonl") if x.id == rid)
+    assert (row.arm, row.score) == (want, 1.0)
+    for body, status, param in (
+        ({"id": "chatcmpl-nope", "score": 1}, 404, "id"),
+        (b'{"id": "%s", "score": NaN}' % rid.encode(), 400, "score"),
+        ({"id": rid, "score": "1"}, 400, "score"),
+        ({"score": 1}, 400, "id"),
+    ):
+        kw = {"json": body} if isinstance(body, dict) else {"content": body}
+        r = http.post("/v1/steering/feedback", **kw, headers={"content-type": "application/json"})
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{ab.url}/v1/steering/feedback", json={"id": rid, "score": 1})
+    assert r.status_code == 401  # the API key, as every /v1 endpoint
+
+
+def test_same_arms_after_a_restart(
+    ab: Server, http: httpx.Client, tiny_llama: Path, root: Path
+) -> None:
+    """A new server (same name, same log; prompts and replies logged this time) puts every user
+    where the first did, takes feedback for answers given before, and logs streamed replies."""
+    before = {x["id"]: x["arm"] for x in log_lines(root) if x["type"] == "decision"}
+    ab.stop()
+    srv = _start(_settings(tiny_llama, root, ab_log_content=True))
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            assert arms(c, USERS[:40]) == {
+                u: Experiment(NAME, 0.5).assign(u).arm for u in USERS[:40]
+            }
+            rid, arm = next(iter(before.items()))
+            r = c.post("/v1/steering/feedback", json={"id": rid, "score": 0.5})
+            assert r.status_code == 200 and r.json()["arm"] == arm, r.text
+            body = chat_body(FR, max_tokens=3, user=USERS[3], stream=True)
+            with c.stream("POST", "/v1/chat/completions", json=body) as s:
+                text = "".join(
+                    (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content")
+                    or ""
+                    for line in s.iter_lines()
+                    if line.startswith("data: {")
+                )
+    finally:
+        srv.stop()
+    last = log_lines(root)[-1]
+    assert last["arm"] == Experiment(NAME, 0.5).assign(USERS[3]).arm
+    assert last["prompt"] == [FR] and last["reply"] == [text] and last["completion_tokens"] == 3
+
+
+def test_bad_experiment_settings_refuse_to_start(tiny_llama: Path, tmp_path: Path) -> None:
+    """A split outside [0, 1] or an unwritable log: no app (the CLI says the same, naming the
+    option); a split without any artifact to steer with: the start fails before the engine."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+    from steerserve.server import create_app
+
+    (tmp_path / "vectors").mkdir()
+    for field, value, option in (
+        ("ab_split", 1.5, "--ab-split"),
+        ("ab_log", "/dev/null/x", "--ab-log"),
+    ):
+        with pytest.raises(ValueError, match=option):
+            create_app(_settings(tiny_llama, tmp_path, **{field: value}))
+        out = CliRunner().invoke(app, ["serve", f"{option}={value}"])
+        assert out.exit_code == 2 and option in out.output, out.output
+    srv = Server(create_app(_settings(tiny_llama, tmp_path)))
+    try:
+        with pytest.raises(RuntimeError, match="--ab-split"):
+            srv.start(timeout=60)
+    finally:
+        srv.stop()
