@@ -62,6 +62,10 @@ SERVE_ENV = {
     "STEERSERVE_LOG_LEVEL",
     "STEERSERVE_DRAIN_SECONDS",
     "STEERSERVE_OPEN_ADMIN",
+    "STEERSERVE_AB_SPLIT",
+    "STEERSERVE_AB_NAME",
+    "STEERSERVE_AB_LOG",
+    "STEERSERVE_AB_LOG_CONTENT",
 }
 # Read by steerserve.models (where the embedded model is converted to).
 OTHER_ENV = {"STEERSERVE_CACHE"}
@@ -544,20 +548,27 @@ def test_hpa_scales_on_queue_depth() -> None:
     assert "prometheus-adapter" in readme and "seriesQuery" in readme
 
 
-def test_ab_rollout_arms() -> None:
+def test_ab_rollout_splits_users_in_the_server() -> None:
+    """One Deployment whose server splits users (the arm is a hash, the same on every replica),
+    each pod logging to its own file on a shared volume, feedback routed back to its pod."""
     (svc,) = named("Service", "ab-rollout.yaml").values()
-    arms = named("Deployment", "ab-rollout.yaml")
-    assert len(arms) == 2
-    sel = svc["spec"]["selector"]
-    policies = set()
-    for d in arms.values():
-        assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
-        (c,) = serving(d)
-        policies.add(env_value(c, "STEERSERVE_STEERING"))
-        assert env_value(c, "STEERSERVE_SERVED_MODEL_NAME") == env_value(
-            serving(next(iter(arms.values())))[0], "STEERSERVE_SERVED_MODEL_NAME"
-        )
-    assert "off" in policies and len(policies) == 2
+    (dep,) = named("Deployment", "ab-rollout.yaml").values()
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["sessionAffinity"] == "ClientIP"
+    (c,) = serving(dep)
+    assert env_value(c, "STEERSERVE_STEERING") == "auto"
+    assert 0 < float(env_value(c, "STEERSERVE_AB_SPLIT") or 0) < 1
+    assert env_value(c, "STEERSERVE_AB_NAME")
+    names = [e["name"] for e in c["env"]]
+    assert names.index("POD_NAME") < names.index("STEERSERVE_AB_LOG")  # $(POD_NAME) expands
+    log = env_value(c, "STEERSERVE_AB_LOG") or ""
+    (mount,) = [m for m in c["volumeMounts"] if log.startswith(m["mountPath"] + "/")]
+    assert "$(POD_NAME)" in log and not mount.get("readOnly")
+    (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    claim = vol["persistentVolumeClaim"]["claimName"]
+    assert named("PersistentVolumeClaim", "ab-rollout.yaml")[claim]["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
 
 
 # --- compose -----------------------------------------------------------------------------------
