@@ -1,6 +1,8 @@
 """The server-side A/B experiment (``--ab-split``) over real HTTP on the tiny Llama: a sticky,
 balanced split by user, the arm in every answer, metric and log line, explicit steering winning,
-feedback joined to the arm, and the same arms after a restart. One server, restarted once."""
+feedback joined to the arm. One server (a start costs most of the time); the same arms after a
+restart: tests/test_server_process.py, whose two ``steerserve serve`` processes run one
+experiment."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ab(tiny_llama: Path, root: Path) -> Iterator[Server]:
-    srv = _start(_settings(tiny_llama, root))
+    srv = _start(_settings(tiny_llama, root, ab_log_content=True))
     yield srv
     srv.stop()
 
@@ -132,7 +134,16 @@ def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Pat
     by_hash = {a.subject_hash: a.arm for a in map(Experiment(NAME, 0.5).assign, USERS)}
     assert all(by_hash[x["subject_hash"]] == x["arm"] for x in lines)
     assert x["vectors"] == (["tiny/v1/recall", "tiny/v1/translation"] if x["applied"] else [])
-    assert "prompt" not in x and "reply" not in x  # content only with --ab-log-content
+    assert x["prompt"] == [FR] and len(x["reply"]) == 1  # --ab-log-content (tested off alone)
+    # a streamed answer: its reply as streamed, its tokens
+    body = chat_body(FR, max_tokens=3, user=USERS[3], stream=True)
+    with http.stream("POST", "/v1/chat/completions", json=body) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    arm = Experiment(NAME, 0.5).assign(USERS[3]).arm
+    assert chunks[0]["steering"]["experiment"]["arm"] == arm
+    last = log_lines(root)[-1]
+    assert (last["reply"], last["completion_tokens"], last["arm"]) == ([text], 3, arm)
     # a full disk: still answered, counted, not per request in the server's log
     state = ab.app.state.steer
     kept, state.decisions.log = (
@@ -175,37 +186,15 @@ def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> N
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     r = httpx.post(f"{ab.url}/v1/steering/feedback", json={"id": rid, "score": 1})
     assert r.status_code == 401  # the API key, as every /v1 endpoint
+    # the report on this log: one scored reply calls no winner
+    from typer.testing import CliRunner
 
+    from steerserve.cli import app
 
-def test_same_arms_after_a_restart(
-    ab: Server, http: httpx.Client, tiny_llama: Path, root: Path
-) -> None:
-    """A new server (same name, same log; prompts and replies logged this time) puts every user
-    where the first did, takes feedback for answers given before, and logs streamed replies."""
-    before = {x["id"]: x["arm"] for x in log_lines(root) if x["type"] == "decision"}
-    ab.stop()
-    srv = _start(_settings(tiny_llama, root, ab_log_content=True))
-    try:
-        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
-            assert arms(c, USERS[:40]) == {
-                u: Experiment(NAME, 0.5).assign(u).arm for u in USERS[:40]
-            }
-            rid, arm = next(iter(before.items()))
-            r = c.post("/v1/steering/feedback", json={"id": rid, "score": 0.5})
-            assert r.status_code == 200 and r.json()["arm"] == arm, r.text
-            body = chat_body(FR, max_tokens=3, user=USERS[3], stream=True)
-            with c.stream("POST", "/v1/chat/completions", json=body) as s:
-                text = "".join(
-                    (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content")
-                    or ""
-                    for line in s.iter_lines()
-                    if line.startswith("data: {")
-                )
-    finally:
-        srv.stop()
-    last = log_lines(root)[-1]
-    assert last["arm"] == Experiment(NAME, 0.5).assign(USERS[3]).arm
-    assert last["prompt"] == [FR] and last["reply"] == [text] and last["completion_tokens"] == 3
+    out = CliRunner().invoke(app, ["ab-report", str(root / "ab.jsonl"), "--out", str(root / "r")])
+    assert out.exit_code == 0, out.output
+    assert f"## Experiment `{NAME}`" in out.output and "too few scored replies" in out.output
+    assert {p.name for p in (root / "r").iterdir()} == {"report.md", "report.json", "report.png"}
 
 
 def test_bad_experiment_settings_refuse_to_start(tiny_llama: Path, tmp_path: Path) -> None:

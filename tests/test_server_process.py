@@ -21,12 +21,43 @@ from typing import Any
 import httpx
 import openai
 import psutil
+import pytest
 from test_server import FR, free_port, make_artifact
 
 from steerserve.engine.cpu import BF16_FLAGS, BIND, core_list, cpu_flags
+from steerserve.server.experiment import Experiment
 
 KEY = "proc-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+AB_USERS = [f"user-{i}" for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def ab_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Both servers here run the same A/B experiment into one decision log: the second is the
+    first one restarted, as far as the experiment can tell."""
+    log = tmp_path_factory.mktemp("ab") / "ab.jsonl"
+    return {
+        "STEERSERVE_AB_SPLIT": "0.5",
+        "STEERSERVE_AB_NAME": "proc",
+        "STEERSERVE_AB_LOG": str(log),
+    }
+
+
+def _ab_arms(url: str) -> dict[str, str]:
+    """Each of ``AB_USERS``'s arm as the server answers it."""
+    arms = {}
+    for user in AB_USERS:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": FR}], "max_tokens": 1}
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json=body | {"user": user}, headers=HEADERS, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        steering = r.json()["steering"]
+        arms[user] = steering["experiment"]["arm"]
+        assert steering["applied"] is (arms[user] == "steered")  # STEERSERVE_STEERING=on
+    assert arms == {u: Experiment("proc", 0.5).assign(u).arm for u in AB_USERS}
+    return arms
 
 
 class Serve:
@@ -182,12 +213,16 @@ def _in_flight(srv: Serve, n: int) -> None:
         time.sleep(0.02)
 
 
-def test_cli_serve_multiprocess_group_sigint_drains(tiny_llama: Path, tmp_path: Path) -> None:
+def test_cli_serve_multiprocess_group_sigint_drains(
+    tiny_llama: Path, tmp_path: Path, ab_env: dict[str, str]
+) -> None:
     """Served as a user runs it, then Ctrl+C (SIGINT to the whole process group: server,
     EngineCore, worker) while 8 requests are in flight: new connections are refused, every
     request completes with 200 after the signal, the server exits 0 and no process is left.
-    (One server start serves both halves: a start costs most of this test's time.)"""
-    with serving(tiny_llama, tmp_path) as srv:
+    (One server start serves both halves: a start costs most of this test's time.) It runs an
+    A/B experiment too (requests without a user are not enrolled and served as before)."""
+    with serving(tiny_llama, tmp_path, **ab_env) as srv:
+        _ab_arms(srv.url)
         assert srv.saw_loading  # liveness came first, readiness once the engine was loaded
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -230,12 +265,31 @@ def test_cli_serve_multiprocess_group_sigint_drains(tiny_llama: Path, tmp_path: 
         assert "Traceback" not in srv.tail(100_000)
 
 
-def test_dead_engine_fails_health_and_exits_non_zero(tiny_llama: Path, tmp_path: Path) -> None:
+def test_dead_engine_fails_health_and_exits_non_zero(
+    tiny_llama: Path, tmp_path: Path, ab_env: dict[str, str]
+) -> None:
     """EngineCore killed (OOM killer, crash): /health fails at once and the server exits 1 for a
     supervisor to restart it, leaving no process behind. Served with the CPU defaults: dtype
-    auto is float32 without native bfloat16, and the one worker is bound to every core."""
+    auto is float32 without native bfloat16, and the one worker is bound to every core. As the
+    previous test's server restarted, it puts every user in the same A/B arm and takes feedback
+    for the answers that server gave (it reads them back from the decision log)."""
+    log = Path(ab_env["STEERSERVE_AB_LOG"])
+    before = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     unset = {"STEERSERVE_DTYPE": None, BIND: None}
-    with serving(tiny_llama, tmp_path, **unset) as srv:
+    with serving(tiny_llama, tmp_path, **unset, **ab_env) as srv:
+        arms = _ab_arms(srv.url)
+        if before:  # the previous test ran: the same arms, its answers take feedback
+            exp = Experiment("proc", 0.5)
+            assert {x["subject_hash"]: x["arm"] for x in before} == {
+                exp.assign(u).subject_hash: a for u, a in arms.items()
+            }
+            r = httpx.post(
+                f"{srv.url}/v1/steering/feedback",
+                json={"id": before[0]["id"], "score": 1},
+                headers=HEADERS,
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.json()["arm"] == before[0]["arm"], r.text
         log = srv.tail(100_000)  # vLLM's INFO lines
         native = any(f in cpu_flags() for f in BF16_FLAGS)
         assert f"dtype=torch.{'bfloat16' if native else 'float32'}," in log
