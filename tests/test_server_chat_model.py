@@ -2,10 +2,14 @@
 runs by default) over real HTTP: chat through the ``openai`` SDK, steering off / on / auto, the A/B
 endpoint (slow: the real model, about a minute to start on 2 CPU cores, seconds per reply).
 
-It starts from the shipped artifacts for the model, if any. Without one (the state before the
-chat model's vectors are made), ``auto`` degrades to off at start and ``on`` is refused; then an
-artifact with a random direction is written and loaded through the admin path (``POST
-/v1/steering/vectors``), which exercises the steered paths on the real model either way.
+It starts from the shipped artifacts for the model (``vectors/qwen2.5-coder-1.5b-instruct/``), as
+``steerserve serve`` does: the newest is the default, and a Japanese chat under the default
+``auto`` policy gets its interventions (``test_the_shipped_artifact_steers_by_default``). Without
+one (the state before the chat model's vectors were made), ``auto`` degrades to off at start and
+``on`` is refused. Then an artifact with a random direction is written and loaded through the admin
+path (``POST /v1/steering/vectors``), which exercises the steered paths on the real model with a
+vector large enough to change answers; the shipped one stays selectable by name. One server for
+the whole module: each test here costs seconds of generation, a second server start a minute.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ PROBE_LAYER, PROBE_NORM = 14, 160.0
 
 def shipped() -> bool:
     return any(SHIPPED.glob("*/manifest.json"))
+
+
+def newest_shipped() -> str:
+    """``name/version`` of the shipped artifact the server serves by default (the newest)."""
+    from steerserve.artifacts import version_key
+
+    versions = [p.parent.name for p in SHIPPED.glob("*/manifest.json")]
+    return f"{NAME}/{max(versions, key=version_key)}"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +133,30 @@ def test_english_and_the_default_policy(http: httpx.Client) -> None:
         assert listing["data"] == [] and listing["default"] is None
         assert listing["policy"] == "off"
     else:
-        assert listing["policy"] == "auto" and listing["default"] is not None
+        assert listing["policy"] == "auto" and listing["default"] == newest_shipped()
+
+
+@pytest.mark.skipif(not shipped(), reason=f"no artifact for the chat model under {SHIPPED}")
+def test_the_shipped_artifact_steers_by_default(http: httpx.Client) -> None:
+    """Served as `steerserve serve` serves it (the shipped artifact, policy ``auto``, nothing else
+    loaded yet): a Japanese chat without a ``steering`` field gets the shipped interventions at
+    their calibrated layers, scales and positions, and a reply."""
+    from steerserve.artifacts import load_artifact
+
+    manifest = load_artifact(SHIPPED / newest_shipped().split("/")[1]).manifest
+    resp = chat(http, JA)
+    info = resp["steering"]
+    assert info["applied"] and info["policy"] == "auto" and info["detected_language"] == "ja"
+    got = [
+        (i["artifact"], i["version"], i["name"], i["layer"], i["scale"], i["positions"])
+        for i in info["interventions"]
+    ]
+    want = [
+        (NAME, manifest.version, iv.name, iv.layer, iv.scale, iv.positions)
+        for iv in manifest.interventions
+    ]
+    assert got == want, info
+    assert text(resp).strip(), resp
 
 
 @pytest.mark.skipif(shipped(), reason="an artifact for the chat model is shipped")
