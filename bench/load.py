@@ -171,7 +171,10 @@ async def load(url: str, items: list[Item], solo: dict[str, Any], args: Any, srv
     deadline = time.monotonic() + args.duration
     # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them: reusing
     # one the server is closing fails on the client (a ReadError), which says nothing of it.
-    limits = httpx.Limits(max_connections=4, max_keepalive_connections=2, keepalive_expiry=2.0)
+    keep = 2 if args.keepalive_expiry > 0 else 0  # 0: a new connection for every request
+    limits = httpx.Limits(
+        max_connections=4, max_keepalive_connections=keep, keepalive_expiry=args.keepalive_expiry
+    )
 
     async def client(k: int, c: httpx.AsyncClient) -> None:
         rnd = random.Random(k)
@@ -384,6 +387,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     ap.add_argument("--memory-at", type=int, default=5000, help="RSS again after N requests")
     ap.add_argument("--rss-every", type=int, default=500, help="RSS trace every N requests")
+    ap.add_argument(
+        "--keepalive-expiry",
+        type=float,
+        default=2.0,
+        help="seconds a client keeps an idle connection (0: a new connection per request)",
+    )
     ap.add_argument("--max-requests", type=int, default=100_000, help="stop after N requests")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--write-docs", action="store_true", help="record in docs/benchmarks.md")
