@@ -487,11 +487,11 @@ def test_references_resolve() -> None:
 
 
 def test_serving_pods_probe_ready_and_health() -> None:
-    n = 0
+    seen = set()
     for fname, doc in K8S_DOCS:
         spec = pod_spec(doc)
         for c in serving(doc):
-            n += 1
+            seen.add(f"{fname}:{doc['metadata']['name']}")
             where = f"{fname}:{doc['metadata']['name']}"
             assert c["readinessProbe"]["httpGet"]["path"] == "/ready", where
             assert c["livenessProbe"]["httpGet"]["path"] == "/health", where
@@ -502,7 +502,14 @@ def test_serving_pods_probe_ready_and_health() -> None:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
             mounts = {m["mountPath"] for m in c["volumeMounts"]}
             assert {"/models", "/dev/shm"} <= mounts, where
-    assert n >= 5
+    # every serving workload was checked (the A/B rollout is one Deployment since the split moved
+    # into the server)
+    assert seen == {
+        "ab-rollout.yaml:steerserve-ab",
+        "multinode-ray.yaml:steerserve-ray-head",
+        "steerserve.yaml:steerserve",
+        "tensor-parallel.yaml:steerserve-tp",
+    }, seen
 
 
 def test_gpus_match_parallelism() -> None:
