@@ -64,7 +64,7 @@ ENV HOME=/home/steerserve \
     STEERSERVE_PORT=8000 \
     STEERSERVE_KV_CACHE_BYTES=0 \
     STEERSERVE_GPU_MEMORY_UTILIZATION=0.9 \
-    STEERSERVE_STEERING=auto
+    STEERSERVE_STEERING=off
 
 # Optional: bake weights into the image (otherwise mount them at /models/model).
 ARG MODEL_ID=""

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from steerserve.server.steering import DEFAULT_MODE, MODES
+
 app = typer.Typer(
     help="steerserve: multilingual factual-recall steering for vLLM.", no_args_is_help=True
 )
@@ -99,10 +101,10 @@ def serve(
         help="Require 'Authorization: Bearer KEY' on /v1/* (default: no auth).",
     ),
     steering: str = typer.Option(
-        "auto",
+        DEFAULT_MODE,
         envvar="STEERSERVE_STEERING",
         help="Default steering when a request does not say: off, on, or auto (on for "
-        "non-English prompts).",
+        "non-English prompts). Off by default: no shipped vector is confirmed to mend recall.",
     ),
     served_model_name: str = typer.Option(
         None,
@@ -161,7 +163,7 @@ def serve(
     from steerserve.server.process import serve as run_server
     from steerserve.server.state import ServerSettings
 
-    if steering not in ("off", "on", "auto"):
+    if steering not in MODES:
         raise typer.BadParameter(f"--steering must be off, on or auto, not {steering!r}")
     _check_experiment(ab_split, ab_name, ab_log)
     logging.basicConfig(

@@ -208,8 +208,8 @@ def test_cpu_image_runs_the_shared_install_script() -> None:
     assert any("resolve_model()" in a for op, a in final if op == "RUN"), "model converted at build"
     env = env_of([i for s in st for i in s])
     assert env["STEERSERVE_MODEL"] == "default"
-    assert env["STEERSERVE_STEERING"] == "auto"
-    assert [a for op, a in final if op == "CMD"] == ['["--steering", "auto"]']
+    assert env["STEERSERVE_STEERING"] == "off"
+    assert [a for op, a in final if op == "CMD"] == ['["--steering", "off"]']
 
 
 # --- the build context (.dockerignore) ---------------------------------------------------------
@@ -563,7 +563,7 @@ def test_ab_rollout_splits_users_in_the_server() -> None:
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["sessionAffinity"] == "ClientIP"
     (c,) = serving(dep)
-    assert env_value(c, "STEERSERVE_STEERING") == "auto"
+    assert env_value(c, "STEERSERVE_STEERING") == "off"
     assert 0 < float(env_value(c, "STEERSERVE_AB_SPLIT") or 0) < 1
     assert env_value(c, "STEERSERVE_AB_NAME")
     names = [e["name"] for e in c["env"]]

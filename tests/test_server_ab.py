@@ -110,8 +110,8 @@ def test_explicit_steering_wins_and_no_subject_is_unenrolled(http: httpx.Client)
     assert off["applied"] is False and "experiment" not in off
     on = ask(http, unsteered, steering=True)["steering"]
     assert on["applied"] is True and "experiment" not in on
-    alone = ask(http)["steering"]  # no subject: served as before (auto steers French), marked
-    assert alone["applied"] is True
+    alone = ask(http)["steering"]  # no subject: the server's default (off), marked
+    assert alone["applied"] is False and alone["policy"] == "off"
     assert alone["experiment"] == {"name": NAME, "arm": "unenrolled", "subject_hash": None}
     r = http.post("/v1/chat/completions/ab", json=chat_body(FR, max_tokens=2, user=steered))
     assert r.status_code == 200 and "experiment" not in r.json()["steered"]["steering"], r.text
@@ -220,3 +220,15 @@ def test_bad_experiment_settings_refuse_to_start(tiny_llama: Path, tmp_path: Pat
             srv.start(timeout=60)
     finally:
         srv.stop()
+
+
+def test_the_steered_arm_is_auto_unless_the_default_is_on() -> None:
+    """The server's default ``off`` does not empty the steered arm (the split is the opt-in);
+    it steers what ``auto`` would (this module's server runs with the default, and its steered
+    French requests are steered); ``on`` extends it to English prompts."""
+    from steerserve.server.steering import Auto, Off, On
+
+    assert all(isinstance(Experiment.steering("unsteered", d), Off) for d in ("off", "on", "auto"))
+    assert isinstance(Experiment.steering("steered", "off"), Auto)
+    assert isinstance(Experiment.steering("steered", "auto"), Auto)
+    assert isinstance(Experiment.steering("steered", "on"), On)

@@ -40,11 +40,11 @@ def test_default_model_and_shipped_artifact(default_server: Server) -> None:
         listing = c.get("/v1/steering/vectors").json()
         assert listing["default"].startswith("gemma-3-270m/")
         assert set(listing["data"][0]["interventions"]) == {"recall", "translation"}
-        assert listing["policy"] == "auto"
+        assert listing["policy"] == "off"  # no shipped vector is confirmed: steering is opt-in
 
         fewshot = "Q: What is the capital of Italy?\nA: Rome\nQ: What is the capital of France?\nA:"
         body = {"model": "gemma-3-270m", "prompt": fewshot, "max_tokens": 4, "temperature": 0}
-        en = c.post("/v1/completions", json=body).json()
+        en = c.post("/v1/completions", json=body | {"steering": "auto"}).json()
         assert "Paris" in en["choices"][0]["text"]
         assert en["steering"] == {
             "applied": False,
@@ -60,7 +60,9 @@ def test_default_model_and_shipped_artifact(default_server: Server) -> None:
             "max_tokens": 4,
             "temperature": 0,
         }
-        r = c.post("/v1/chat/completions", json=chat)
+        default = c.post("/v1/chat/completions", json=chat).json()["steering"]
+        assert default["applied"] is False and default["policy"] == "off"
+        r = c.post("/v1/chat/completions", json=chat | {"steering": "auto"})
         assert r.status_code == 200, r.text
         steering = r.json()["steering"]
         assert steering["applied"] and steering["detected_language"] == "fr"

@@ -71,12 +71,12 @@ class Experiment:
 
     @staticmethod
     def steering(arm: str, default: str) -> SteeringSpec:
-        """An arm's steering: the unsteered arm none; the steered arm the server's policy
-        (``auto`` stays ``auto``: English prompts of the steered arm are not steered), ``on``
-        when the server's default is ``off`` or ``on``."""
+        """An arm's steering: the unsteered arm none; the steered arm ``auto`` (English prompts
+        are not steered), or ``on`` for every prompt when the server's default is ``on``. The
+        default ``off`` does not turn the experiment off: the split is the opt-in."""
         if arm == UNSTEERED:
             return Off()
-        return Auto() if default == "auto" else On()
+        return On() if default == "on" else Auto()
 
 
 class DecisionLog:

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any
 from steerserve.artifacts import Artifact, version_key
 from steerserve.engine.spec import SteeringEntry
 from steerserve.server.protocol import ApiError, AppliedIntervention, SteeringInfo
-from steerserve.server.steering import MODES, Auto, Entries, Multipliers, Off, On, SteeringSpec
+from steerserve.server.steering import (
+    DEFAULT_MODE,
+    MODES,
+    Auto,
+    Entries,
+    Multipliers,
+    Off,
+    On,
+    SteeringSpec,
+)
 
 if TYPE_CHECKING:
     from steerserve.artifacts import Intervention
@@ -97,7 +106,7 @@ class SteeringPolicy:
     """Loaded artifacts and the default mode; turns typed ``steering`` values into decisions."""
 
     registry: VectorRegistry
-    default: str = "auto"
+    default: str = DEFAULT_MODE
     max_abs_scale: float = 64.0
     artifacts: dict[str, Artifact] = field(default_factory=dict)
     default_artifact: str | None = None

@@ -21,7 +21,7 @@ from steerserve.server.experiment import STEERED, DecisionLog, Decisions, Experi
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
-from steerserve.server.steering import MODES
+from steerserve.server.steering import DEFAULT_MODE, MODES
 
 logger = logging.getLogger("steerserve.server")
 
@@ -38,7 +38,7 @@ class ServerSettings:
     vectors_dir: str | None = None
     served_model_name: str | None = None
     api_key: str | None = None
-    steering: str = "auto"  # default policy: off | on | auto
+    steering: str = DEFAULT_MODE  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
     drain_seconds: int = 300  # on SIGTERM/SIGINT: how long in-flight requests may finish
     host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
