@@ -3,10 +3,10 @@ runs by default) over real HTTP: chat through the ``openai`` SDK, steering off /
 endpoint (slow: the real model, about a minute to start on 2 CPU cores, seconds per reply).
 
 It starts from the shipped artifacts for the model (``vectors/qwen2.5-coder-1.5b-instruct/``), as
-``steerserve serve`` does: the newest is the default, and a Japanese chat under the default
-``auto`` policy gets its interventions (``test_the_shipped_artifact_steers_by_default``). Without
-one (the state before the chat model's vectors were made), ``auto`` degrades to off at start and
-``on`` is refused. Then an artifact with a random direction is written and loaded through the admin
+``steerserve serve`` does, with its default policy ``off``: the newest is the default artifact, a
+Japanese chat without ``steering`` is not steered and with ``"auto"`` gets its interventions
+(``test_the_shipped_artifact_is_off_by_default_and_steers_on_request``). Without one (the state
+before the chat model's vectors were made), asking for steering is refused. Then an artifact with a random direction is written and loaded through the admin
 path (``POST /v1/steering/vectors``), which exercises the steered paths on the real model with a
 vector large enough to change answers; the shipped one stays selectable by name. One server for
 the whole module: each test here costs seconds of generation, a second server start a minute.
@@ -79,9 +79,7 @@ def server(model_dir: Path, vectors_dir: Path) -> Iterator[Server]:
         kv_cache_memory_bytes=256 << 20,
         max_num_seqs=8,
     )
-    settings = ServerSettings(
-        engine=cfg, vectors_dir=str(vectors_dir), api_key=KEY, steering="auto"
-    )
+    settings = ServerSettings(engine=cfg, vectors_dir=str(vectors_dir), api_key=KEY)
     srv = Server(create_app(settings))
     srv.start(timeout=900)
     yield srv
@@ -129,22 +127,25 @@ def test_english_and_the_default_policy(http: httpx.Client) -> None:
     assert "Paris" in text(resp)
     assert resp["steering"]["applied"] is False
     listing = http.get("/v1/steering/vectors").json()
-    if not shipped():  # auto degrades to off when no artifact is loaded at start
+    assert listing["policy"] == "off"  # the server's default: steering is opt-in
+    if not shipped():
         assert listing["data"] == [] and listing["default"] is None
-        assert listing["policy"] == "off"
     else:
-        assert listing["policy"] == "auto" and listing["default"] == newest_shipped()
+        assert listing["default"] == newest_shipped()
 
 
 @pytest.mark.skipif(not shipped(), reason=f"no artifact for the chat model under {SHIPPED}")
-def test_the_shipped_artifact_steers_by_default(http: httpx.Client) -> None:
-    """Served as `steerserve serve` serves it (the shipped artifact, policy ``auto``, nothing else
-    loaded yet): a Japanese chat without a ``steering`` field gets the shipped interventions at
-    their calibrated layers, scales and positions, and a reply."""
+def test_the_shipped_artifact_is_off_by_default_and_steers_on_request(http: httpx.Client) -> None:
+    """Served as `steerserve serve` serves it (the shipped artifact, the default policy, nothing
+    else loaded yet): a Japanese chat without a ``steering`` field is not steered (v1 is harmful
+    on held-out facts); with ``"auto"`` it gets the shipped interventions at their calibrated
+    layers, scales and positions, and a reply."""
     from steerserve.artifacts import load_artifact
 
     manifest = load_artifact(SHIPPED / newest_shipped().split("/")[1]).manifest
-    resp = chat(http, JA)
+    default = chat(http, JA, max_tokens=4)["steering"]
+    assert default["applied"] is False and default["policy"] == "off", default
+    resp = chat(http, JA, steering="auto")
     info = resp["steering"]
     assert info["applied"] and info["policy"] == "auto" and info["detected_language"] == "ja"
     got = [
