@@ -169,8 +169,9 @@ async def load(url: str, items: list[Item], solo: dict[str, Any], args: Any, srv
     ``args.memory_at`` requests are done."""
     tally = Tally()
     deadline = time.monotonic() + args.duration
-    # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them: reusing
-    # one the server is closing fails on the client (a ReadError), which says nothing of it.
+    # Clients drop idle connections after --keepalive-expiry (2 s), well before the server's
+    # keep-alive (--keep-alive-seconds, 75 s by default): a client reusing a connection the server
+    # is closing gets a ReadError (with uvicorn's 5 s and a busy machine, hundreds of them).
     keep = 2 if args.keepalive_expiry > 0 else 0  # 0: a new connection for every request
     limits = httpx.Limits(
         max_connections=4, max_keepalive_connections=keep, keepalive_expiry=args.keepalive_expiry

@@ -122,6 +122,14 @@ def serve(
         help="On SIGTERM/SIGINT (to the server or its whole process group): how long requests "
         "in flight may finish; a second signal stops at once.",
     ),
+    keep_alive_seconds: int = typer.Option(
+        75,
+        envvar="STEERSERVE_KEEP_ALIVE_SECONDS",
+        min=1,
+        help="How long an idle HTTP connection is kept open. Keep it above the idle timeout of "
+        "any proxy or load balancer in front (often 60 s), so the server never closes a "
+        "connection the proxy is reusing.",
+    ),
     open_admin: bool = typer.Option(
         False,
         "--open-admin",
@@ -201,6 +209,7 @@ def serve(
         api_key=api_key or None,
         steering=steering,
         drain_seconds=drain_seconds,
+        keep_alive_seconds=keep_alive_seconds,
         host=host,
         open_admin=open_admin,
         exit_on_failure=True,

@@ -6,6 +6,7 @@ starts a server (most of its time), so checks share starts."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -202,6 +203,26 @@ def _queue_depth(url: str) -> float:
     return 0.0
 
 
+def _answers_after_idle(url: str, idle: float) -> bool:
+    """Whether a keep-alive connection still answers a second request after ``idle`` seconds."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        for i in range(2):
+            if i:
+                time.sleep(idle)
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status != 200:
+                return False
+    except (http.client.RemoteDisconnected, ConnectionError):
+        return False  # the server closed the idle connection
+    finally:
+        conn.close()
+    return True
+
+
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return fn(*args), time.monotonic()
 
@@ -295,6 +316,9 @@ def test_dead_engine_fails_health_and_exits_non_zero(
         assert f"dtype=torch.{'bfloat16' if native else 'float32'}," in log
         assert f"{BIND}={core_list(os.sched_getaffinity(0))!r}" in log
         assert f"local_rank=0, core ids={sorted(os.sched_getaffinity(0))}" in log
+        # An idle connection outlives uvicorn's 5 s default (--keep-alive-seconds 75): a client
+        # or proxy reusing it is not cut off (with 5 s: hundreds of ReadErrors under load).
+        assert _answers_after_idle(srv.url, 6.0)
         srv.engine_core().kill()
         t0 = time.monotonic()
         while _healthy(srv.url):  # 503, then refused once the server stops listening

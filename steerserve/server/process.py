@@ -41,6 +41,7 @@ def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
         port=port,
         log_level=log_level.lower(),
         timeout_graceful_shutdown=settings.drain_seconds,
+        timeout_keep_alive=settings.keep_alive_seconds,
     )
     server = _Server(config, app.state.steer)
     # uvicorn re-raises a signal it drained on under the handler found at start: a no-op here,

@@ -41,6 +41,10 @@ class ServerSettings:
     steering: str = DEFAULT_MODE  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
     drain_seconds: int = 300  # on SIGTERM/SIGINT: how long in-flight requests may finish
+    # Idle HTTP connections kept this long: longer than a proxy's idle timeout (60 s is common)
+    # and a busy client's lag, so the server never closes a connection a client is reusing
+    # (uvicorn's 5 s: 298 client ReadErrors in 3 min of bench/load.py at load 10; 75 s: 0).
+    keep_alive_seconds: int = 75
     host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = False  # allow admin endpoints without an API key on any address
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
