@@ -154,7 +154,7 @@ def serving(model: Path, tmp: Path, **env: str | None) -> Iterator[Serve]:
         srv.stop()
 
 
-def _stream(url: str, max_tokens: int) -> list[str]:
+def _stream(c: httpx.Client, max_tokens: int) -> list[str]:
     """A streamed chat answer's SSE lines."""
     body = {
         "model": "tiny",
@@ -166,9 +166,7 @@ def _stream(url: str, max_tokens: int) -> list[str]:
         "stream_options": {"include_usage": True},
     }
     lines = []
-    with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=HEADERS, timeout=300
-    ) as r:
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line:
@@ -184,9 +182,9 @@ def _completed(lines: list[str], tokens: int) -> bool:
     return usage.get("completion_tokens") == tokens
 
 
-def _collected(url: str, max_tokens: int) -> httpx.Response:
+def _collected(c: httpx.Client, max_tokens: int) -> httpx.Response:
     body = {"model": "tiny", "prompt": "abc", "max_tokens": max_tokens, "ignore_eos": True}
-    return httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=300)
+    return c.post("/v1/completions", json=body)
 
 
 def _healthy(url: str) -> bool:
@@ -256,9 +254,13 @@ def test_cli_serve_multiprocess_group_sigint_drains(
         steering = resp.model_extra["steering"]
         assert steering["applied"] and steering["policy"] == "on"  # STEERSERVE_STEERING=on
 
-        with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_timed, _stream, srv.url, 1000) for _ in range(4)]
-            collected = [pool.submit(_timed, _collected, srv.url, 1000) for _ in range(4)]
+        # One client made beforehand: a client per request loads its TLS context on the spot,
+        # which on a loaded 2-core machine held some requests back by seconds (the server
+        # then finished the first ones before it ever saw the rest).
+        c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=300)
+        with c, ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(_timed, _stream, c, 1000) for _ in range(4)]
+            collected = [pool.submit(_timed, _collected, c, 1000) for _ in range(4)]
             _in_flight(srv, 8)
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGINT)
