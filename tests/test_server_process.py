@@ -194,8 +194,8 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _queue_depth(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+def _queue_depth(c: httpx.Client) -> float:
+    for line in c.get("/metrics", timeout=5).text.splitlines():
         if line.startswith("steerserve_queue_depth "):
             return float(line.split()[1])
     return 0.0
@@ -225,9 +225,11 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return fn(*args), time.monotonic()
 
 
-def _in_flight(srv: Serve, n: int) -> None:
+def _in_flight(c: httpx.Client, n: int) -> None:
+    """Wait for ``n`` requests in flight, polling on ``c`` (a new client per poll would load a
+    TLS context 50 times a second, the cost that held the requests back)."""
     deadline = time.monotonic() + 60
-    while _queue_depth(srv.url) < n:
+    while _queue_depth(c) < n:
         assert time.monotonic() < deadline, f"never {n} requests in flight"
         time.sleep(0.02)
 
@@ -261,7 +263,7 @@ def test_cli_serve_multiprocess_group_sigint_drains(
         with c, ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(_timed, _stream, c, 1000) for _ in range(4)]
             collected = [pool.submit(_timed, _collected, c, 1000) for _ in range(4)]
-            _in_flight(srv, 8)
+            _in_flight(c, 8)
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGINT)
             signalled = time.monotonic()
