@@ -27,9 +27,9 @@ $PY -m steerserve extract --model "$MODEL" --device cuda --dtype bfloat16 \
   --per-lang 64 --batch-size 32 --out "$OUT/candidates.safetensors"
 t1=$(date +%s)
 
-log "calibrate (joint sweep through vLLM on the calibration split)"
+log "calibrate (joint sweep by Δ log P(gold) on one half of the calibration split, re-checked on the other)"
 $PY -m steerserve calibrate --model "$MODEL" --candidates "$OUT/candidates.safetensors" \
-  --out "$ART" --overwrite --dtype bfloat16 --kv-cache-bytes 0 --max-num-seqs 256 \
+  --out "$ART" --overwrite --device cuda --dtype bfloat16 --batch-size 32 \
   --per-lang 40 --en-items 40 --holdout 40 \
   --recall-layers 6,8,10,12,14,16 --recall-scales 0.05,0.1,0.25,0.5,1.0 \
   --translation-layers 18,20,22,24,26 --translation-scales 0.05,0.1,0.25,0.5,1.0 \

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from steerserve.server.steering import DEFAULT_MODE, MODES
+
+if TYPE_CHECKING:
+    from steerserve.research.calibrate import Grid
+    from steerserve.research.extract import Candidates
 
 app = typer.Typer(
     help="steerserve: multilingual factual-recall steering for vLLM.", no_args_is_help=True
@@ -478,6 +483,29 @@ def extract(
         typer.echo(json.dumps(row))
 
 
+def _core_count(spec: str) -> int:
+    """Cores in a vLLM-style core list ('0', '0-1', '0,2-3'): the torch threads of a logp run."""
+    n = 0
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    if n < 1:
+        raise ValueError(spec)
+    return n
+
+
+def _torch_dtype(dtype: str, device: str) -> str:
+    """``--dtype`` for transformers: ``auto`` is float32 on CPU (bfloat16 matmuls are slow
+    there) and bfloat16 on an accelerator."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise typer.BadParameter(
+            f"{dtype!r}; known: auto, float32, bfloat16, float16", param_hint="--dtype"
+        )
+    return dtype
+
+
 @app.command()
 def calibrate(
     candidates: Path = typer.Option(
@@ -490,6 +518,14 @@ def calibrate(
         show_default=False,
     ),
     model: str = typer.Option("default", help=_MODEL_HELP),
+    objective: str = typer.Option(
+        "logp",
+        help="logp: choose by the paired change in teacher-forced log P(gold answer), "
+        "non-English, on one half of the calibration facts, then re-check the winner on the "
+        "other half (always; scored in transformers, no vLLM engine). accuracy: choose by greedy "
+        "accuracy through the vLLM engine (re-checked only with --holdout); on a few hundred "
+        "items it picks the luckiest of the settings.",
+    ),
     per_lang: int = typer.Option(10, help="Calibration facts per non-English language."),
     en_items: int = typer.Option(30, help="English calibration facts (the <=1 pt guard)."),
     shots: int = typer.Option(
@@ -504,7 +540,8 @@ def calibrate(
     dataset: Path | None = typer.Option(
         None,
         help="JSONL records of one form (see eval --dataset) instead of the built-in "
-        "calibration split; with --holdout, every other record of each language is held out.",
+        "calibration split; with --holdout or --objective logp, every other record of each "
+        "language is held out.",
         show_default=False,
     ),
     variants: str = typer.Option(
@@ -523,31 +560,66 @@ def calibrate(
     ),
     top_k: int = typer.Option(3, help="Best of each vector carried into the joint stage."),
     fine: str = typer.Option("0.5,1.5", help="Scale factors tried around the joint winner."),
-    max_en_drop: float = typer.Option(0.01, help="Allowed English accuracy drop (0..1)."),
-    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
+    max_en_drop: float = typer.Option(
+        0.01,
+        help="Allowed English accuracy drop (0..1): the accuracy objective's guard; with logp, "
+        "the held-out check's.",
+    ),
+    max_en_logp_drop: float = typer.Option(
+        0.1,
+        help="logp only: nats of English mean log P(gold) the chosen pair may cost, on the "
+        "selection half and again on the held-out half.",
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        help=_ENGINE_DTYPE_HELP + " With logp, the transformers dtype (auto: float32 on CPU, "
+        "bfloat16 on a GPU).",
+    ),
+    device: str = typer.Option(
+        "cpu", help="logp only: torch device of the scoring model (cpu, cuda, cuda:1, ...)."
+    ),
+    batch_size: int = typer.Option(64, help="logp only: items per forward pass."),
     kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
-    cpu_threads: str = typer.Option("", help=_THREADS_HELP),
+    cpu_threads: str = typer.Option(
+        "", help=_THREADS_HELP + " With logp, the number of cores listed is torch's thread count."
+    ),
     holdout: int = typer.Option(
         0,
         help="Calibration facts per language (English included) on which the chosen pair is "
-        "re-checked against the unsteered arm (0: no check). With a check, the sweep draws from every "
-        "other fact and the check from the rest, so the two sets never share a fact.",
+        "re-checked against the unsteered arm (0: no check with accuracy; with logp, the same "
+        "numbers as the selection, --per-lang and --en-items). With a check, the sweep draws from "
+        "every other fact and the check from the rest, so the two sets never share a fact.",
     ),
     overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
     summary_dir: Path = typer.Option(
         Path("docs/results"), help="Where calibration.md / calibration.json go."
     ),
 ) -> None:
-    """Sweep layer x scale x variant jointly on the calibration split; save the artifact."""
+    """Sweep layer x scale x variant jointly on the calibration split; save the artifact.
+
+    With --objective logp (the default) the winner is chosen on one half of the calibration
+    facts and re-checked on the other; the artifact records whether it confirmed."""
     import time
 
     from steerserve.research import calibrate as cal
     from steerserve.research.arms import UNSTEERED
-    from steerserve.research.evaluate import open_engine
     from steerserve.research.extract import Candidates
     from steerserve.research.records import dataset_form, default_form, read_dataset
 
+    if objective not in cal.OBJECTIVES:  # before anything slow is loaded
+        raise typer.BadParameter(
+            f"{objective!r}; known: {', '.join(cal.OBJECTIVES)}", param_hint="--objective"
+        )
+    logp = objective == "logp"
+    if logp:
+        torch_dtype = _torch_dtype(dtype, device)
+        try:
+            threads = _core_count(cpu_threads) if cpu_threads else 0
+        except ValueError:
+            raise typer.BadParameter(
+                f"{cpu_threads!r}: not a core list", param_hint="--cpu-threads"
+            ) from None
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
     cands = Candidates.load(candidates)
@@ -571,6 +643,8 @@ def calibrate(
         top_k=top_k,
         fine_factors=_floats(fine),
         max_en_drop=max_en_drop,
+        objective=objective,
+        max_en_logp_drop=max_en_logp_drop,
     )
     if recall_layers:
         kw["recall_layers"] = _ints(recall_layers)
@@ -580,28 +654,51 @@ def calibrate(
         grid = cal.Grid.for_layers(n_layers, **kw)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--positions") from None
+    check = logp or bool(holdout)  # logp: a confirmation half, always
     if records is not None:
-        records, held = cal.split_records(records, bool(holdout))
+        records, held = cal.split_records(records, check)
     else:
-        part = (0, 2) if holdout else (0, 1)
+        part = (0, 2) if check else (0, 1)
         records = cal.calib_records(per_lang, en_items, shots, part=part, form=form)
-        held = cal.calib_records(holdout, holdout, shots, part=(1, 2), form=form) if holdout else []
-    eng = open_engine(
-        model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
-    )
-    t_engine = time.perf_counter() - t0
-    try:
-        result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
-        if held:
-            cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
-    finally:
-        eng.shutdown()
+        n_held = (holdout, holdout) if holdout else (per_lang, en_items)
+        held = cal.calib_records(*n_held, shots, part=(1, 2), form=form) if check else []
+    if logp and not any(r["lang"] != "en" for r in held):
+        raise typer.BadParameter(
+            "the held-out half has no non-English record (give at least 2 per language)",
+            param_hint="--dataset",
+        )
+    if logp:
+        result, t_load = _calibrate_logp(
+            cands, records, held, grid, model_dir, device, torch_dtype, batch_size, threads
+        )
+    else:
+        from steerserve.research.evaluate import open_engine
+
+        eng = open_engine(
+            model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
+        )
+        t_load = time.perf_counter() - t0
+        try:
+            result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
+            if held:
+                cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
+        finally:
+            eng.shutdown()
     source = str(dataset) if dataset else "calibration split"
     n_shots = shots if shots is not None else 3 if form == "completion" else 0
-    result["prompts"] = f"{source}, {form} form, {n_shots}-shot, greedy, <= {max_tokens} tokens"
+    if logp:
+        result["prompts"] = (
+            f"{source}, {form} form, {n_shots}-shot; teacher-forced log P(gold) and greedy "
+            f"answers in transformers ({device}, {torch_dtype})"
+        )
+        # Which items chose the pair and which checked it: no fact is in both.
+        result["item_ids"] = [r.get("id") for r in records]
+        result["holdout"]["item_ids"] = [r.get("id") for r in held]
+    else:
+        result["prompts"] = f"{source}, {form} form, {n_shots}-shot, greedy, <= {max_tokens} tokens"
     result["timings_s"] = {
         "extract": cands.meta.get("total_seconds"),
-        "engine_start": round(t_engine, 1),
+        "model_load" if logp else "engine_start": round(t_load, 1),
         "sweep": result["seconds"],
         "total_calibrate": round(time.perf_counter() - t0, 1),
     }
@@ -610,11 +707,84 @@ def calibrate(
     cal.write_summary(result, summary_dir)
     w = result["chosen"]
     typer.echo(f"wrote {art.path}: chosen {w['recall']} + {w['translation']}")
+    if logp:
+        _echo_logp_verdict(result, grid.max_en_logp_drop)
+        return
     typer.echo(
         f"calib non-English {w['non_en']:.3f} ({UNSTEERED} {result[UNSTEERED]['non_en']:.3f})"
     )
     if h := result.get("holdout"):
         typer.echo(f"held-out non-English gain {h['non_en_gain']:+.3f} (confirms: {h['confirms']})")
+
+
+def _calibrate_logp(
+    cands: Candidates,
+    records: list[dict],
+    held: list[dict],
+    grid: Grid,
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    batch_size: int,
+    threads: int,
+) -> tuple[dict[str, Any], float]:
+    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, no engine);
+    the result and the seconds the model took to load (``threads`` 0: torch's own count;
+    restored after, so an in-process caller keeps its setting)."""
+    import time
+
+    import torch
+
+    from steerserve.research import calibrate as cal
+    from steerserve.research.ceilings import Runner
+    from steerserve.research.hf import load_model
+
+    n0 = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        mdl, tok = load_model(model_dir, device=device, dtype=dtype)
+        t_load = time.perf_counter() - t0
+        scorer = Runner(mdl, tok, batch_size)
+        result = cal.calibrate_logp(scorer, cands, records, grid, log=typer.echo)
+        cal.confirm_logp(scorer, cands, result, held, log=typer.echo)
+    finally:
+        torch.set_num_threads(n0)
+    return result, t_load
+
+
+def _echo_logp_verdict(result: dict[str, Any], max_en_logp_drop: float) -> None:
+    """The selection and the held-out verdict in words: a pair that did not confirm on facts
+    it was not chosen on is noise until shown otherwise, so say it where nobody can miss it."""
+    from steerserve.research.arms import UNSTEERED
+
+    w, h = result["chosen"], result["holdout"]
+    lo, hi = w["d_logp_ci95"]
+    typer.echo(
+        f"selection half ({result['n_items']} items): non-English Δ log P(gold) "
+        f"{w['d_logp']:+.3f} [{lo:+.3f}, {hi:+.3f}] nats, English Δ log P {w['en_d_logp']:+.3f} "
+        f"(guard -{max_en_logp_drop:g}); non-English accuracy {w['non_en']:.3f} "
+        f"({UNSTEERED} {result[UNSTEERED]['non_en']:.3f})"
+    )
+    if not result["feasible"]:
+        typer.echo("  (no pair kept English log P within its guard on the selection half)")
+    lo, hi = h["d_logp_ci95"]
+    alo, ahi = h["non_en_gain_ci95"]
+    typer.echo(
+        f"held-out half ({h['n_items']} items, other facts): non-English Δ log P(gold) "
+        f"{h['d_logp']:+.3f} [{lo:+.3f}, {hi:+.3f}] nats, Δ accuracy {h['non_en_gain']:+.3f} "
+        f"[{alo:+.3f}, {ahi:+.3f}], English Δ accuracy {h['en_change']:+.3f}, English Δ log P "
+        f"{h['chosen']['en_d_logp']:+.3f} (95 % CIs, paired bootstrap)"
+    )
+    if h["confirms"]:
+        typer.echo("confirmed on the held-out half (holdout.confirms=true in the artifact).")
+    else:
+        typer.echo(
+            "DID NOT CONFIRM on the held-out half (it needs the Δ log P CI above 0, non-English "
+            "accuracy not lower, English within its guards): the selection gain is not shown to "
+            "be real. The artifact records holdout.confirms=false; do not ship it."
+        )
 
 
 _ARTIFACT_HELP = (

@@ -497,7 +497,8 @@ class LogpSweep:
         from steerserve.research.ceilings import entry_edits
 
         ss = [s for s in pair if s is not None]
-        vectors = {s.vector: unit_scaled(self.cands, s.variant, s.layer) for s in ss}
+        dev = getattr(self.scorer, "dev", "cpu")  # edits add to hidden states on the model's device
+        vectors = {s.vector: unit_scaled(self.cands, s.variant, s.layer).to(dev) for s in ss}
         return entry_edits([s.entry() for s in ss], vectors) or None
 
     def run_many(

@@ -161,9 +161,11 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     args += ["--holdout", "1", "--variants", "recall.native.diff", "--recall-layers", "1"]
     args += ["--recall-scales", "0.5", "--translation-layers", "2", "--translation-scales", "0.5"]
     args += ["--top-k", "1", "--fine", "", "--summary-dir", str(summary), *common]
+    args += ["--objective", "accuracy"]  # the engine sweep (the default, logp, runs without one)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     cal_json = json.loads((summary / "calibration.json").read_text())
+    assert cal_json["grid"]["objective"] == "accuracy" and "item_ids" not in cal_json
     assert cal_json["n_items"] == 3 and cal_json["holdout"]["n_items"] == 3
     assert cal_json["scoring"]["form"] == "chat" and "chat form" in cal_json["prompts"]
     assert "<= 12 tokens" in cal_json["prompts"]
@@ -240,3 +242,49 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
     assert art.manifest.intervention("recall").calibration["grid"]["objective"] == "logp"
     md = (cal.write_summary(result, tmp_path / "summary") / "calibration.md").read_text()
     assert "held-out Δ log P(gold)" in md and "Δ log P [95 % CI]" in md
+
+
+def test_cli_calibrate_default_logp_selects_and_confirms_on_disjoint_halves(
+    cands: Candidates, tiny_gemma: Path, tmp_path: Path
+) -> None:
+    """The default objective end to end: the pair is chosen by Δ log P(gold) on one half of the
+    calibration facts and re-checked on the other half (no fact in both), in transformers; the
+    artifact and the echo both carry the verdict."""
+    import torch
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    cpath = cands.save(tmp_path / "c.safetensors")
+    out, summary = tmp_path / "vec" / "tiny" / "v1", tmp_path / "summary"
+    args = ["calibrate", "--candidates", str(cpath), "--out", str(out), "--model", str(tiny_gemma),
+            "--per-lang", "1", "--en-items", "2", "--shots", "1",
+            "--variants", "recall.mixed.diff", "--recall-layers", "1", "--recall-scales", "0.5",
+            "--translation-layers", "2", "--translation-scales", "0.5", "--top-k", "1",
+            "--fine", "", "--cpu-threads", "0", "--batch-size", "16",
+            "--summary-dir", str(summary)]  # fmt: skip
+    n_threads = torch.get_num_threads()
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert torch.get_num_threads() == n_threads  # one thread while scoring, then restored
+    c = load_artifact(out, model_dir=tiny_gemma).manifest.intervention("recall").calibration
+    assert c is not None and c["grid"]["objective"] == "logp" and "_winner" not in c
+    assert [r["stage"] for r in c["sweep"]] == [UNSTEERED, "recall", "translation", "joint"]
+    h = c["holdout"]
+    sel, held = c["item_ids"], h["item_ids"]
+    # --holdout 0: the held-out half has as many facts per language as the selection (1, en 2)
+    assert h["n_items"] == len(held) == len(sel) == c["n_items"] == 13
+    assert sorted(i.rsplit(":", 1)[1] for i in held) == sorted(i.rsplit(":", 1)[1] for i in sel)
+    assert not {i.rsplit(":", 1)[0] for i in sel} & {i.rsplit(":", 1)[0] for i in held}
+    assert h["chosen"]["recall"] == c["chosen"]["recall"] and "d_logp_ci95" in h
+    assert (
+        json.loads((summary / "calibration.json").read_text())["holdout"]["confirms"]
+        == (h["confirms"])
+    )
+    assert "held-out half (13 items, other facts): non-English Δ log P(gold)" in res.output
+    if h["confirms"]:
+        assert "confirmed on the held-out half" in res.output
+    else:
+        assert "DID NOT CONFIRM" in res.output and "do not ship it" in res.output
+    res = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--objective", "luck"])
+    assert res.exit_code != 0 and "--objective" in res.output and "'luck'" in res.output
