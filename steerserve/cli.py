@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.steering import DEFAULT_MODE, MODES
 
 if TYPE_CHECKING:
@@ -121,14 +122,14 @@ def serve(
         "info", envvar="STEERSERVE_LOG_LEVEL", help="debug, info, warning or error."
     ),
     drain_seconds: int = typer.Option(
-        300,
+        DRAIN_SECONDS,
         envvar="STEERSERVE_DRAIN_SECONDS",
         min=0,
         help="On SIGTERM/SIGINT (to the server or its whole process group): how long requests "
         "in flight may finish; a second signal stops at once.",
     ),
     keep_alive_seconds: int = typer.Option(
-        75,
+        KEEP_ALIVE_SECONDS,
         envvar="STEERSERVE_KEEP_ALIVE_SECONDS",
         min=1,
         help="How long an idle HTTP connection is kept open. Keep it above the idle timeout of "

@@ -1527,7 +1527,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             setup = (
                 f"Selected by paired Δ mean log P(gold) on {len(sel)} items "
                 f"({part(args.select_part)}), the best {args.top} confirmed on {len(conf)} others "
-                f"({part(args.confirm_part)}); all 12 languages, English reported apart."
+                f"({part(args.confirm_part)}); languages {', '.join(_langs(sel))}, English "
+                "reported apart."
             )
         else:
             raise SystemExit(f"unknown experiment {name!r}")

@@ -17,6 +17,7 @@ from typing import Any
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts, version_key
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
+from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.experiment import STEERED, DecisionLog, Decisions, Experiment
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
@@ -40,11 +41,8 @@ class ServerSettings:
     api_key: str | None = None
     steering: str = DEFAULT_MODE  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
-    drain_seconds: int = 300  # on SIGTERM/SIGINT: how long in-flight requests may finish
-    # Idle HTTP connections kept this long: longer than a proxy's idle timeout (60 s is common)
-    # and a busy client's lag, so the server never closes a connection a client is reusing
-    # (uvicorn's 5 s: 298 client ReadErrors in 3 min of bench/load.py at load 10; 75 s: 0).
-    keep_alive_seconds: int = 75
+    drain_seconds: int = DRAIN_SECONDS  # on SIGTERM/SIGINT: how long in-flight requests may finish
+    keep_alive_seconds: int = KEEP_ALIVE_SECONDS  # idle HTTP connections (see defaults.py)
     host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = False  # allow admin endpoints without an API key on any address
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
