@@ -1308,6 +1308,12 @@ def translation_md(t: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _funcvec_md(e: Mapping[str, Any]) -> list[str]:
+    from steerserve.research.function_vectors import funcvec_md  # imports this module
+
+    return funcvec_md(e)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Mapping[str, Any]], list[str]]]] = {
     "headroom": ("Step 1: headroom without vectors", headroom_md),
     "oracle": ("Step 2: oracle ceilings (last-prompt-token patching)", oracle_md),
@@ -1316,6 +1322,10 @@ SECTIONS: dict[str, tuple[str, Callable[[Mapping[str, Any]], list[str]]]] = {
         taskvec_md,
     ),
     "translation": ("Step 3b: translation difference vector, natural units", translation_md),
+    "funcvec": (
+        "Step 3d: function vector (Todd et al.), top heads by indirect effect",
+        _funcvec_md,
+    ),
 }
 
 
@@ -1397,7 +1407,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--experiments",
         default="headroom,oracle",
-        help="comma-separated: headroom, oracle, taskvec, translation",
+        help="comma-separated: headroom, oracle, taskvec, translation, funcvec",
     )
     p.add_argument("--split", default="calib", help="fact split of the evaluated items")
     p.add_argument(
@@ -1443,6 +1453,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tv-alphas", default="0.25,0.5,1", help="task-vector interpolation weights")
     p.add_argument("--tr-layers", default="12,13,14,15,16,17", help="translation blocks")
     p.add_argument("--tr-scales", default="0.5,1,2", help="translation scales (x raw difference)")
+    p.add_argument(
+        "--fv-layers", default=None, help="function-vector blocks (default: ~L/4, L/3, L/2)"
+    )
+    p.add_argument("--fv-scales", default="0.5,1,2,4", help="function-vector scales (x raw FV)")
+    p.add_argument("--fv-heads", type=int, default=10, help="heads summed into the function vector")
+    p.add_argument(
+        "--fv-prompts", type=int, default=32, help="corrupted prompts the indirect effects average"
+    )
     p.add_argument("--top", type=int, default=3, help="step 3 edits confirmed per search")
     p.add_argument(
         "--batch-size", type=int, default=64, help="items per forward (weights are read per call)"
@@ -1508,7 +1526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"{', '.join(PIVOTS['zh'] or ())}); relation means over {args.per_relation} train "
                 "facts per relation and language."
             )
-        elif name in ("taskvec", "translation"):
+        elif name in ("taskvec", "translation", "funcvec"):
             key = name
             sel = eval_records(args.split, langs=langs, part=args.select_part, form=form)
             conf = eval_records(args.split, langs=langs, part=args.confirm_part, form=form)
@@ -1519,6 +1537,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                     runner, sel, conf, facts, lys, args.top, args.seed,
                     args.tv_targets.split(","), args.tv_sources.split(","),
                     [float(x) for x in args.tv_alphas.split(",")], sub,
+                )  # fmt: skip
+            elif name == "funcvec":
+                from steerserve.research.function_vectors import function_vectors
+
+                fv_lys = (
+                    None if args.fv_layers is None else [int(x) for x in args.fv_layers.split(",")]
+                )
+                exp = function_vectors(
+                    runner, sel, conf, facts, fv_lys, [float(x) for x in args.fv_scales.split(",")],
+                    args.fv_heads, args.fv_prompts, top=args.top, seed=args.seed, partial=sub,
                 )  # fmt: skip
             else:
                 lys = [int(x) for x in args.tr_layers.split(",")]
