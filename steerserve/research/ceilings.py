@@ -1572,4 +1572,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable copy, not ``__main__``: modules that import this one (function_vectors)
+    # then share its classes (``Edit``, ``Runner``), and isinstance checks hold.
+    from steerserve.research import ceilings
+
+    ceilings.main()

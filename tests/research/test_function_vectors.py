@@ -121,16 +121,20 @@ def test_funcvec_runs_end_to_end(runner: Runner, tmp_path: Path) -> None:
 
 
 def test_funcvec_cli_writes_its_section(tiny_gemma: Path, tmp_path: Path) -> None:
-    from steerserve.research.ceilings import main
+    """Through ``python -m`` on purpose: the module then runs as ``__main__`` and
+    function_vectors imports a second copy unless the CLI delegates to the importable one."""
+    import os
+    import subprocess
+    import sys
 
-    n = torch.get_num_threads()
-    try:
-        main(["--model", str(tiny_gemma), "--out", str(tmp_path), "--experiments", "funcvec",
-              "--langs", "fr", "--select-part", "0/20", "--confirm-part", "1/20", "--threads",
-              "1", "--fv-layers", "1", "--fv-scales", "2", "--fv-heads", "2", "--fv-prompts",
-              "3", "--top", "1"])  # fmt: skip
-    finally:
-        torch.set_num_threads(n)
+    args = ["--model", str(tiny_gemma), "--out", str(tmp_path), "--experiments", "funcvec",
+            "--langs", "fr", "--select-part", "0/20", "--confirm-part", "1/20", "--threads", "1",
+            "--fv-layers", "1", "--fv-scales", "2", "--fv-heads", "2", "--fv-prompts", "3",
+            "--top", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "steerserve.research.ceilings", *args], check=True, env=env
+    )
     md = (tmp_path / "report.md").read_text()
     assert "## Step 3d: function vector (Todd et al.), top heads by indirect effect" in md
     assert "| fv2x2@1 |" in md and "Confirmation on" in md
