@@ -1387,6 +1387,16 @@ def summary_only(d: Any) -> Any:
 # --- command line ------------------------------------------------------------------------------
 
 
+def load_report(out: Path) -> dict[str, Any] | None:
+    """The folder's report to merge into: ``report.json``, else the committed ``summary.json``
+    (report.json holds per-item results and is not committed: a fresh checkout has only the
+    summary, and starting empty would drop the experiments it records from report.md)."""
+    for name in ("report.json", "summary.json"):
+        if (out / name).is_file():
+            return json.loads((out / name).read_text(encoding="utf-8"))
+    return None
+
+
 def _langs(items: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(dict.fromkeys(r["lang"] for r in items))
 
@@ -1481,8 +1491,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     form = default_form(resolve_model(args.model), args.form)
     runner = Runner(model, tok, args.batch_size)
     facts = fact_index(args.split)
-    path = args.out / "report.json"
-    report = json.loads(path.read_text()) if path.is_file() else {"experiments": {}}
+    report = load_report(args.out) or {"experiments": {}}
     report["model"] = args.model
     report["form"] = form
     command = "python -m steerserve.research.ceilings " + shlex.join(
@@ -1564,7 +1573,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         took = spent(args.out / "partial" / key) or time.perf_counter() - t0
         exp["setup"] = setup + f" Compute: {took / 60:.0f} min ({args.threads} thread(s))."
         # another run may have written its experiment meanwhile: merge, do not overwrite
-        report = json.loads(path.read_text()) if path.is_file() else report
+        report = load_report(args.out) or report
         report |= {"model": args.model, "form": form}
         report.setdefault("experiments", {})[key] = exp
         write_report(report, args.out)

@@ -122,10 +122,19 @@ def test_funcvec_runs_end_to_end(runner: Runner, tmp_path: Path) -> None:
 
 def test_funcvec_cli_writes_its_section(tiny_gemma: Path, tmp_path: Path) -> None:
     """Through ``python -m`` on purpose: the module then runs as ``__main__`` and
-    function_vectors imports a second copy unless the CLI delegates to the importable one."""
+    function_vectors imports a second copy unless the CLI delegates to the importable one.
+    The folder holds only an earlier run's committed ``summary.json`` (as a fresh checkout
+    does: report.json is not committed): its experiment must stay in the report."""
+    import json
     import os
     import subprocess
     import sys
+
+    earlier = {"command": "python -m steerserve.research.ceilings --experiments taskvec",
+               "setup": "an earlier run", "means_seconds": 0.0, "forms": {}}  # fmt: skip
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"model": "m", "form": "completion", "experiments": {"taskvec": earlier}})
+    )
 
     args = ["--model", str(tiny_gemma), "--out", str(tmp_path), "--experiments", "funcvec",
             "--langs", "fr", "--select-part", "0/20", "--confirm-part", "1/20", "--threads", "1",
@@ -138,3 +147,8 @@ def test_funcvec_cli_writes_its_section(tiny_gemma: Path, tmp_path: Path) -> Non
     md = (tmp_path / "report.md").read_text()
     assert "## Step 3d: function vector (Todd et al.), top heads by indirect effect" in md
     assert "| fv2x2@1 |" in md and "Confirmation on" in md
+    assert "## Step 3a: recall task vector" in md and "an earlier run" in md
+    assert set(json.loads((tmp_path / "summary.json").read_text())["experiments"]) == {
+        "taskvec",
+        "funcvec",
+    }
