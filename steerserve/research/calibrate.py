@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -633,6 +633,37 @@ def calibrate_logp(
     }
 
 
+#: When a held-out re-check confirms, per form. A chat reply usually restates the question before
+#: the answer, while log P(gold) is forced right after the prompt: a vector that only makes the
+#: model answer with the bare name raises it by nats and no answer changes (the task vector on
+#: Qwen2.5-Coder-1.5B-Instruct: +2.8 nats, 0 of 48 answers right or wrong differently), so on
+#: chat records accuracy itself must rise.
+CONFIRM_RULE: dict[str, str] = {
+    "completion": "95 % CI of Δ log P(gold) above 0, non-English accuracy not lower, English "
+    "within both guards",
+    "chat": "95 % CI of Δ log P(gold) above 0, non-English accuracy higher (log P after a chat "
+    "prompt also rewards bare-name replies), English within both guards",
+}
+
+
+def holdout_confirms(
+    d_logp_lo: float,
+    d_acc: float,
+    en_change: float,
+    en_d_logp: float,
+    grid: Mapping[str, Any],
+    chat: bool,
+) -> bool:
+    """:data:`CONFIRM_RULE` for one re-check (``grid`` as stored in the result)."""
+    acc_ok = d_acc > 1e-9 if chat else d_acc >= -1e-9
+    return (
+        d_logp_lo > 0
+        and acc_ok
+        and en_change >= -grid["max_en_drop"] - 1e-9
+        and en_d_logp >= -grid["max_en_logp_drop"] - 1e-9
+    )
+
+
 def confirm_logp(
     scorer: Any,
     cands: Candidates,
@@ -641,8 +672,7 @@ def confirm_logp(
     log: Any = print,
 ) -> dict[str, Any]:
     """The chosen pair on the other half of the calibration facts, paired against the
-    unsteered arm there. It confirms when the 95 % CI of Δ log P(gold) lies above zero,
-    non-English accuracy does not fall, and English stays within both guards."""
+    unsteered arm there; whether it confirms follows :data:`CONFIRM_RULE` for the form."""
     from steerserve.research.scoring import paired_bootstrap
 
     winner: Row = result["_winner"]
@@ -655,11 +685,9 @@ def confirm_logp(
         non_english(by_lang(records, [r["correct"] for r in sw.results[(None, None)]])),
     )
     en_change = row.en - base.en
-    confirms = (
-        (row.d_logp_ci95 or (0.0, 0.0))[0] > 0
-        and acc["diff"] >= 0
-        and en_change >= -grid["max_en_drop"] - 1e-9
-        and (row.en_d_logp or 0.0) >= -grid["max_en_logp_drop"] - 1e-9
+    chat = any("messages" in r for r in records)
+    confirms = holdout_confirms(
+        (row.d_logp_ci95 or (0.0, 0.0))[0], acc["diff"], en_change, row.en_d_logp or 0.0, grid, chat
     )
     result["holdout"] = {
         "n_items": len(records),
@@ -671,5 +699,6 @@ def confirm_logp(
         "d_logp_ci95": [round(x, 4) for x in row.d_logp_ci95 or (0.0, 0.0)],
         "en_change": round(en_change, 4),
         "confirms": bool(confirms),
+        "rule": CONFIRM_RULE["chat" if chat else "completion"],
     }
     return result

@@ -230,6 +230,7 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
     assert any(abs(r["d_logp"]) > 1e-3 for r in sweep[1:])  # the steering moves log P
     h = result["holdout"]
     assert h["n_items"] == len(held) and h["chosen"]["recall"] == result["chosen"]["recall"]
+    assert h["rule"] == cal.CONFIRM_RULE["completion"]
     assert h["confirms"] == (
         h["d_logp_ci95"][0] > 0
         and h["non_en_gain"] >= 0
@@ -288,3 +289,17 @@ def test_cli_calibrate_default_logp_selects_and_confirms_on_disjoint_halves(
         assert "DID NOT CONFIRM" in res.output and "do not ship it" in res.output
     res = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--objective", "luck"])
     assert res.exit_code != 0 and "--objective" in res.output and "'luck'" in res.output
+
+
+def test_a_chat_recheck_confirms_only_when_accuracy_rises() -> None:
+    """log P after a chat prompt also rewards bare-name replies, so a chat re-check needs
+    accuracy to rise; a completion re-check only needs it not to fall."""
+    grid = {"max_en_drop": 0.01, "max_en_logp_drop": 0.1}
+    ok = dict(d_logp_lo=0.2, en_change=0.0, en_d_logp=0.0, grid=grid)
+    assert cal.holdout_confirms(d_acc=0.0, chat=False, **ok)
+    assert not cal.holdout_confirms(d_acc=0.0, chat=True, **ok)
+    assert cal.holdout_confirms(d_acc=0.02, chat=True, **ok)
+    assert not cal.holdout_confirms(d_acc=-0.01, chat=False, **ok)
+    assert not cal.holdout_confirms(d_acc=0.02, chat=True, **{**ok, "d_logp_lo": -0.01})
+    assert not cal.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_change": -0.05})
+    assert not cal.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_d_logp": -0.2})
