@@ -1277,7 +1277,12 @@ def taskvec_md(t: Mapping[str, Any]) -> list[str]:
     for form, f in t["forms"].items():
         b = f["selection_base"]
         lines += [
-            f"### Applied to the {'zero-shot' if form == 'zero' else '3-shot eval'} form",
+            "### Applied to the "
+            + (
+                "zero-shot form"
+                if form == "zero"
+                else "evaluation form (completion: 3-shot; chat: the zero-shot chat turn)"
+            ),
             "",
             f"Selection: {f['n_select']} items, no edit {pct(b['correct'])} % non-English, "
             f"mean log P {b['logp']:.2f}. Best {min(12, len(f['selection']))} of "
