@@ -1338,7 +1338,7 @@ def oracle_plot(o: Mapping[str, Any], path: Path) -> None:
     """Δ log P(gold) and Δ accuracy per block for each oracle edit and pivot."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    ly = o["layers"]
+    ly = sorted(o["layers"])  # a resumed run may list new blocks after the kept ones
     for pv, po in o["pivots"].items():
         sfx = "" if pv == "en" else f".{pv}"
         for v in VARIANTS:
