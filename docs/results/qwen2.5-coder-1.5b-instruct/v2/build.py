@@ -18,7 +18,12 @@ import torch
 
 from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
 from steerserve.models import load_hf_model, resolve_model
-from steerserve.research.ceilings import cached_tensors, form_prompt, pooled_means, pooled_train_facts
+from steerserve.research.ceilings import (
+    cached_tensors,
+    form_prompt,
+    pooled_means,
+    pooled_train_facts,
+)
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 LAYER, SCALE, LANGS = 20, 0.5, ["ja", "ko", "zh"]
@@ -53,9 +58,15 @@ def main(out: Path) -> None:
             "objective": "paired change in mean teacher-forced log P(gold), non-English; "
             "selected on 48 calibration items (every 8th fact), confirmed on 156 others",
             "selection": {"d_logp": 1.169, "d_correct": 0.0},
-            "holdout": {"n_items": 156, "d_logp": 0.866, "d_logp_ci95": [0.679, 1.060],
-                        "non_en_gain": 0.034, "non_en_gain_ci95": [0.009, 0.068],
-                        "en_change": 0.026, "confirms": True},  # fmt: skip
+            "holdout": {
+                "n_items": 156,
+                "d_logp": 0.866,
+                "d_logp_ci95": [0.679, 1.060],
+                "non_en_gain": 0.034,
+                "non_en_gain_ci95": [0.009, 0.068],
+                "en_change": 0.026,
+                "confirms": True,
+            },  # fmt: skip
             "results": RESULTS,
         },
     )
