@@ -40,19 +40,17 @@ from steerserve.research.ceilings import (
     Edit,
     Runner,
     _as_prompt,
-    _confirm_md,
     _select_confirm,
-    _top_md,
     cached,
     cached_tensors,
     encode,
     form_prompt,
     pooled_train_facts,
+    taskvec_md,
 )
 from steerserve.research.extract import encode as encode_prompt
 from steerserve.research.facts import ANSWER_SEP, Fact, query, shots_for
 from steerserve.research.hf import decoder_layers, left_padded
-from steerserve.research.report import pct
 
 log = logging.getLogger("steerserve.function_vectors")
 
@@ -354,17 +352,4 @@ def funcvec_md(t: Mapping[str, Any]) -> list[str]:
         f"| {i + 1} | {h['layer']} | {h['head']} | {h['aie']:+.3f} |"
         for i, h in enumerate(t["heads"])
     ]
-    for form, f in t["forms"].items():
-        b = f["selection_base"]
-        lines += [
-            "",
-            f"### Applied to the {'zero-shot' if form == 'zero' else form} form",
-            "",
-            f"Selection: {f['n_select']} items, no edit {pct(b['correct'])} % non-English, "
-            f"mean log P {b['logp']:.2f}. Best {min(12, len(f['selection']))} of "
-            f"{len(f['selection'])} edits by Δ log P:",
-            "",
-        ]
-        lines += _top_md(f["selection"]) + [""]
-        lines += _confirm_md(f["confirmation"], f["confirmation_base"], f["n_confirm"])
-    return lines + [""]
+    return [*lines, "", *taskvec_md(t)]
