@@ -24,22 +24,7 @@ for r in RECORDS:
     r["answers_en"] = ["Paris"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared CPU: a second thread only waits at barriers (10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_gemma: Path) -> Runner:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_gemma, dtype=torch.float32).eval()
-    return Runner(model, AutoTokenizer.from_pretrained(tiny_gemma), batch_size=3)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _forced_logp(runner: Runner, rec: dict, entries=(), vectors=None) -> float:
