@@ -484,17 +484,6 @@ def extract(
         typer.echo(json.dumps(row))
 
 
-def _core_count(spec: str) -> int:
-    """Cores in a vLLM-style core list ('0', '0-1', '0,2-3'): the torch threads of a logp run."""
-    n = 0
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    if n < 1:
-        raise ValueError(spec)
-    return n
-
-
 def _torch_dtype(dtype: str, device: str) -> str:
     """``--dtype`` for transformers: ``auto`` is float32 on CPU (bfloat16 matmuls are slow
     there) and bfloat16 on an accelerator."""
@@ -603,6 +592,7 @@ def calibrate(
     facts and re-checked on the other; the artifact records whether it confirmed."""
     import time
 
+    from steerserve.engine.cpu import cores_of
     from steerserve.research import calibrate as cal
     from steerserve.research.arms import UNSTEERED
     from steerserve.research.extract import Candidates
@@ -616,7 +606,7 @@ def calibrate(
     if logp:
         torch_dtype = _torch_dtype(dtype, device)
         try:
-            threads = _core_count(cpu_threads) if cpu_threads else 0
+            threads = len(cores_of(cpu_threads)) if cpu_threads else 0
         except ValueError:
             raise typer.BadParameter(
                 f"{cpu_threads!r}: not a core list", param_hint="--cpu-threads"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from steerserve.engine.cpu import BIND, bind_all_cores, core_list, cpu_flags, serve_dtype
+from steerserve.engine.cpu import (
+    BIND,
+    bind_all_cores,
+    core_list,
+    cores_of,
+    cpu_flags,
+    serve_dtype,
+)
 
 ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\nbogomips\t: 4000\n"
 SAPPHIRE = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -25,6 +32,13 @@ def test_dtype_auto_is_float32_without_native_bfloat16() -> None:
 )
 def test_core_list(cores: list[int], expected: str) -> None:
     assert core_list(cores) == expected
+    assert cores_of(expected) == sorted(set(cores))  # the parser reads back what it wrote
+
+
+@pytest.mark.parametrize("spec", ["", "x", "3-1", "0,a-2"])
+def test_cores_of_refuses_what_is_not_a_core_list(spec: str) -> None:
+    with pytest.raises(ValueError):
+        cores_of(spec)
 
 
 def test_bind_all_cores_only_for_one_cpu_worker_without_a_choice() -> None:

@@ -50,6 +50,18 @@ def core_list(cores: Iterable[int]) -> str:
     return ",".join(out)
 
 
+def cores_of(spec: str) -> list[int]:
+    """The cores of a ``core_list`` string (``0-3,6``), in the order written; raises ValueError
+    on a malformed or empty list."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    if not out:
+        raise ValueError(spec)
+    return out
+
+
 def bind_all_cores(
     env: MutableMapping[str, str], on_gpu: bool, ranks: int, cores: Iterable[int] | None = None
 ) -> str | None:
