@@ -65,6 +65,19 @@ class SteeringError(ValueError):
 ENTRY_FIELDS = frozenset({"vector", "layer", "scale", "positions"})
 
 
+def finite_number(v: Any) -> float | None:
+    """``v`` as a finite float, or None when it is not a real number (a bool, a string) or is not
+    finite; JSON integers past float's range (``10**400``) are not finite either, where
+    ``math.isfinite`` would raise OverflowError. The one rule for scales and multipliers."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
     """One entry from its JSON form, its types checked (the engine-independent half of
     :func:`validate`); ``field`` prefixes every error."""
@@ -80,16 +93,29 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
         raise SteeringError(f"{field}.vector", "must be the name of a registered vector")
     layer = item.get("layer")
     if isinstance(layer, bool) or not isinstance(layer, int):
-        raise SteeringError(f"{field}.layer", f"must be an integer, got {layer!r}")
-    scale = item.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise SteeringError(f"{field}.scale", f"must be a number, got {scale!r}")
-    if not math.isfinite(scale):
-        raise SteeringError(f"{field}.scale", f"must be finite, got {float(scale)}")
+        raise SteeringError(f"{field}.layer", f"must be an integer, got {short_repr(layer)}")
+    if not -(2**31) <= layer < 2**31:
+        raise SteeringError(f"{field}.layer", "is out of range")
+    raw_scale = item.get("scale", 1.0)
+    scale = finite_number(raw_scale)
+    if scale is None:
+        if isinstance(raw_scale, bool) or not isinstance(raw_scale, (int, float)):
+            raise SteeringError(f"{field}.scale", f"must be a number, got {short_repr(raw_scale)}")
+        raise SteeringError(f"{field}.scale", "must be a finite number")
     pos = item.get("positions", "all")
-    if pos not in POSITIONS:
-        raise SteeringError(f"{field}.positions", f"{pos!r} is not one of {', '.join(POSITIONS)}")
-    return SteeringEntry(vec, layer, float(scale), pos)
+    if not isinstance(pos, str) or pos not in POSITIONS:
+        raise SteeringError(
+            f"{field}.positions", f"{short_repr(pos)} is not one of {', '.join(POSITIONS)}"
+        )
+    return SteeringEntry(vec, layer, scale, pos)
+
+
+def short_repr(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters: an error message echoes a value, never a megabyte."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**limit:
+        return "an integer too large to show"  # repr would raise past 4,300 digits
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def validate(

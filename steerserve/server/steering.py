@@ -8,7 +8,6 @@ pydantic's location, the rest of their field in the error's context (``field``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -23,7 +22,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steerserve.engine.spec import POSITIONS, SteeringEntry, SteeringError, entry
+from steerserve.engine.spec import (
+    POSITIONS,
+    SteeringEntry,
+    SteeringError,
+    entry,
+    finite_number,
+    short_repr,
+)
 
 STEERING_DOC = (
     'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
@@ -102,9 +108,10 @@ class Auto(_Spec):
 
 
 def _multiplier(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _refuse(f"the multiplier must be a finite number, got {v!r}")
-    return float(v)
+    f = finite_number(v)
+    if f is None:
+        raise _refuse(f"the multiplier must be a finite number, got {short_repr(v)}")
+    return f
 
 
 def _multipliers(v: Any) -> Any:
@@ -167,7 +174,7 @@ def _shorthand(raw: Any) -> Any:
     if isinstance(raw, str):
         if raw in MODES:
             return {"off": Off, "on": On, "auto": Auto}[raw]()
-        raise _refuse(f'{raw!r} is not one of false, true, "auto" (or an object)')
+        raise _refuse(f'{short_repr(raw)} is not one of false, true, "auto" (or an object)')
     raise _refuse(
         "must be false, true, \"auto\", or an object with 'interventions' or 'entries'; "
         f"got {type(raw).__name__}"
