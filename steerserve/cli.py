@@ -251,11 +251,11 @@ def ab_report(
 ) -> None:
     """Who won the server's A/B experiment: per arm and detected language, requests, mean
     feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95."""
-    from steerserve.ab_report import build_report, read_log, report_markdown, write_report
+    from steerserve.ab_report import report, report_markdown, write_report
 
     if not log.is_file():
         raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
-    rep = build_report(read_log(log), min_n=min_scored)
+    rep = report(log, min_n=min_scored)
     typer.echo(report_markdown(rep), nl=False)
     if out is not None:
         typer.echo(f"\nwrote {write_report(rep, out)} (+ report.json, report.png)")
@@ -390,13 +390,17 @@ _FORM_HELP = (
     "Prompt form: completion (few-shot text, base models), chat (messages rendered by the model's "
     "chat template, as the server renders them) or auto"
 )
-_MAX_TOKENS_HELP = "Greedy tokens per answer (stops at newline; default 8, 12 for chat replies)."
+_MAX_TOKENS_HELP = (
+    "Greedy tokens per reply (a completion stops at a newline, a chat reply at EOS or a blank "
+    "line; default 8 for completions, 64 for chat replies, which restate the question)."
+)
 
 
 def _max_tokens(value: int, form: str) -> int:
-    """``--max-tokens``, else 8 for a completion and 12 for a chat reply (an assistant may
-    say a few words before the name: "フランスの首都はパリです")."""
-    return value or (12 if form == "chat" else 8)
+    """``--max-tokens``, else the form's budget (``replies.budget``)."""
+    from steerserve.research.replies import budget
+
+    return budget(form, value)
 
 
 def _artifact_form(art: object) -> str | None:
@@ -850,6 +854,11 @@ def eval_cmd(
         show_default=False,
     ),
     limit_per_lang: int = typer.Option(0, help="Built-in split: first N facts per language."),
+    part: str = typer.Option(
+        "0/1",
+        help="Built-in split: K/N keeps every N-th fact of each relation from the K-th on "
+        "(0/3: the test third; 0/2 and 1/2: two disjoint halves).",
+    ),
     shots: int = typer.Option(
         None,
         help="Built-in split: demonstrations per prompt (default: 3 for completion, 0 for chat).",
@@ -861,17 +870,31 @@ def eval_cmd(
         help=_FORM_HELP + " (built-in split; auto: the form the artifact was calibrated in).",
     ),
     max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
+    max_cut_share: float = typer.Option(
+        0.02,
+        help="Stop (exit 1) when more than this share of replies was cut by --max-tokens before "
+        "the answer ended; a budget that cuts answers makes the accuracies wrong.",
+    ),
+    plan: Path | None = typer.Option(
+        None,
+        help="The test's plan, declared before it runs (items, arms, metric, smallest detectable "
+        "effect): copied into the report; a finished report that holds a plan is never "
+        "overwritten, so a test runs once.",
+        show_default=False,
+    ),
     dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
     kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:
-    """Evaluate an artifact's arms (unsteered, each intervention, both, controls) through vLLM."""
+    """Evaluate an artifact's arms (unsteered, each intervention, both, controls) through vLLM;
+    writes report.json/md, accuracy.png and every reply (replies.jsonl)."""
     import time
 
     from steerserve.research import evaluate as ev
     from steerserve.research.facts import eval_records
     from steerserve.research.records import dataset_form, default_form, read_dataset
+    from steerserve.research.replies import BudgetError
 
     t0 = time.perf_counter()
     model_dir = _resolve_model(model)
@@ -886,10 +909,13 @@ def eval_cmd(
                 model_dir, (_artifact_form(art) or "auto") if form == "auto" else form
             )
             limit = limit_per_lang or None
-            records = eval_records(split, shots=shots, limit_per_lang=limit, form=form)
+            records = eval_records(
+                split, shots=shots, limit_per_lang=limit, part=_part(part), form=form
+            )
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
     max_tokens = _max_tokens(max_tokens, form)
+    declared = _plan(plan, out)
     eng = ev.open_engine(
         model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
     )
@@ -897,28 +923,114 @@ def eval_cmd(
     meta: dict = {
         "model": str(model_dir.name),
         "artifact": art.key,
-        "dataset": str(dataset) if dataset else _builtin(split, form, shots),
+        "dataset": str(dataset) if dataset else _builtin(split, form, shots, part),
         "n_items": len(records),
         "max_tokens": max_tokens,
         "interventions": _interventions(art),
+        **({"plan": declared} if declared else {}),
     }
 
     def write(done: int, results: dict, times: dict) -> dict:
         meta["timings_s"] = {"engine_start": round(t_engine, 1), **times}
         meta["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
         meta["n_done"] = done
+        meta["finished"] = done == len(records)
         report = ev.build_report(records[:done], results, meta)
-        ev.write_report(report, out)
+        ev.write_report(report, out, results)
+        ev.check_budget(results, max_tokens, max_cut_share)
         return report
 
     try:
         results, times = ev.evaluate(eng, art, records, arm_list, max_tokens, on_chunk=write)
+    except BudgetError as e:
+        typer.echo(f"error: {e} (report and replies so far in {out})", err=True)
+        raise typer.Exit(1) from None
     finally:
         eng.shutdown()
     report = write(len(records), results, times)
     for arm, a in report["arms"].items():
         typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
-    typer.echo(f"wrote {out}/report.json, report.md, accuracy.png")
+    typer.echo(f"wrote {out}/report.json, report.md, accuracy.png, replies.jsonl")
+
+
+def _part(text: str) -> tuple[int, int]:
+    """``K/N`` -> (K, N), 0 <= K < N; a usage error otherwise."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+        if not 0 <= k < n:
+            raise ValueError
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r} is not K/N with 0 <= K < N", param_hint="--part"
+        ) from None
+    return k, n
+
+
+def _plan(plan: Path | None, out: Path) -> dict | None:
+    """The declared plan (file name and text), or None; refuses to run a test whose finished
+    report, holding a plan, is already in ``out``."""
+    import json
+
+    if plan is None:
+        return None
+    done = out / "report.json"
+    if done.exists():
+        old = json.loads(done.read_text(encoding="utf-8"))
+        if old.get("plan") and old.get("finished"):
+            raise typer.BadParameter(
+                f"{done} is a finished test with a declared plan; a test runs once: pass a new "
+                "--out to run another",
+                param_hint="--plan",
+            )
+    try:
+        return {"file": plan.name, "text": plan.read_text(encoding="utf-8").strip()}
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read {plan}: {e.strerror}", param_hint="--plan") from None
+
+
+@app.command()
+def headroom(
+    out: Path = typer.Option(Path("out/headroom"), help="Writes report.json/md, replies.jsonl."),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    split: str = typer.Option("calib", help="Built-in split (calib: never the test facts)."),
+    part: str = typer.Option("0/2", help="K/N: every N-th fact of each relation from the K-th."),
+    langs: str = typer.Option("", help="Comma-separated languages (default: all 12)."),
+    limit_per_lang: int = typer.Option(0, help="First N facts per language (0: all)."),
+    conditions: str = typer.Option(
+        "", help="Comma-separated: zero, native5, english5, translate (default: all)."
+    ),
+    max_tokens: int = typer.Option(64, help=_MAX_TOKENS_HELP),
+    max_cut_share: float = typer.Option(0.02, help="Exit 1 above this share of cut replies."),
+    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
+) -> None:
+    """Chat-form headroom through vLLM, unsteered: the same facts zero-shot, after 5 turns in the
+    query language, after 5 English turns, and handed the English name to write in the query
+    language; asked in English/Chinese are the zero-shot en/zh items. Every reply kept."""
+    from steerserve.research import chat_headroom as hr
+
+    unknown = set(_strs(conditions)) - set(hr.CONDITIONS)
+    if unknown:
+        raise typer.BadParameter(f"unknown {sorted(unknown)}", param_hint="--conditions")
+    cfg = hr.Config(
+        model_dir=_resolve_model(model),
+        out=out,
+        split=split,
+        part=_part(part),
+        langs=_strs(langs) or None,
+        limit_per_lang=limit_per_lang or None,
+        conditions=_strs(conditions) or tuple(hr.CONDITIONS),
+        max_tokens=max_tokens,
+        max_cut_share=max_cut_share,
+        dtype=dtype,
+    )
+    try:
+        report = hr.run(cfg, log=typer.echo)
+    except hr.BudgetError as e:
+        typer.echo(f"error: {e} (report and replies in {out})", err=True)
+        raise typer.Exit(1) from None
+    for cond, a in report["arms"].items():
+        typer.echo(f"{cond:10s} non-English mean {a['non_english_mean']:.3f}")
+    typer.echo(f"wrote {out}/report.json, report.md, replies.jsonl")
 
 
 @app.command()
@@ -1042,9 +1154,10 @@ def analyze(
     typer.echo(f"wrote {out}/report.json, report.md, lens_*.png, failures.png")
 
 
-def _builtin(split: str, form: str, shots: int | None) -> str:
+def _builtin(split: str, form: str, shots: int | None, part: str = "0/1") -> str:
     n = shots if shots is not None else 3 if form == "completion" else 0
-    return f"built-in {split} split, {form} form, {n}-shot"
+    sub = "" if part == "0/1" else f", part {part}"
+    return f"built-in {split} split{sub}, {form} form, {n}-shot"
 
 
 def _facts_langs() -> tuple[str, ...]:

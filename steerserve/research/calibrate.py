@@ -155,11 +155,18 @@ def run_config(
 ) -> tuple[list[str], float]:
     """Greedy answers of every record under one steering config, and the seconds it took."""
     t0 = time.perf_counter()
+    from steerserve.research.records import dataset_form
+
     prompts = record_prompts(engine, records)
-    texts = generate(
-        engine, prompts, [entries] * len(prompts), max_tokens, share_prefix=share_prefix
+    gens = generate(
+        engine,
+        prompts,
+        [entries] * len(prompts),
+        max_tokens,
+        share_prefix=share_prefix,
+        form=dataset_form(records),
     )
-    return texts, time.perf_counter() - t0
+    return [g.text for g in gens], time.perf_counter() - t0
 
 
 def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:

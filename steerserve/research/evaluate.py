@@ -22,6 +22,15 @@ from steerserve.research.arms import (
     arm_vectors,
     check_arms,
 )
+from steerserve.research.replies import (
+    SCRIPTS,
+    Generation,
+    check_cuts,
+    cut_share,
+    judge,
+    stop_strings,
+    write_replies,
+)
 from steerserve.research.scoring import (
     ArmResult,
     bootstrap_mean,
@@ -64,18 +73,22 @@ def generate(
     chunk: int = 256,
     progress: Callable[[int], None] | None = None,
     share_prefix: bool = True,
-) -> list[str]:
-    """Greedy continuations, stopping at the first newline (only the first line is scored).
+    form: str = "completion",
+) -> list[Generation]:
+    """Greedy replies, each ended by EOS, the form's stop (a completion's first newline, a chat's
+    blank line: ``replies.stop_strings``) or ``max_tokens``, which it then says.
     ``share_prefix``: steered requests reuse the unsteered prompt KV where that is exact (fixed
     prompts, see ``Admission.prepare``), which makes sweeps ~3x cheaper."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
-    out: list[str] = []
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop_strings(form))
+    out: list[Generation] = []
     for i in range(0, len(prompts), chunk):
         ps, st = prompts[i : i + chunk], steering[i : i + chunk]
         res = engine.generate(ps, sp, steering=st, share_prefix=share_prefix)
-        out += [r.outputs[0].text for r in res]
+        for r in res:
+            o = r.outputs[0]
+            out.append(Generation(o.text, len(o.token_ids), o.finish_reason == "length"))
         if progress:
             progress(len(res))
     return out
@@ -85,11 +98,14 @@ def generate(
 
 
 def build_report(
-    records: Sequence[dict], results: Mapping[str, ArmResult], meta: Mapping[str, Any]
+    records: Sequence[dict],
+    results: Mapping[str, ArmResult],
+    meta: Mapping[str, Any],
+    base_arm: str = UNSTEERED,
 ) -> dict:
     """``{"arms": {ARM: {"per_language": {...}, "non_english_mean": x, ...}}, ...}``."""
     arms: dict[str, Any] = {}
-    base = results.get(UNSTEERED)
+    base = results.get(base_arm)
     for arm, r in results.items():
         corr = by_lang(records, r.correct)
         eng = by_lang(records, r.english)
@@ -107,6 +123,11 @@ def build_report(
                 "chinese_rate": sum(zh[lang]) / n if zh and lang != "zh" else 0.0,
                 "recall_any": sum(rany[lang]) / n,
             }
+            if r.replies:
+                per[lang]["script"] = _scripts(r.replies, lang)
+            if base is not None and arm != base_arm:
+                b = by_lang(records, base.correct)[lang]
+                per[lang][f"vs_{base_arm}"] = paired_bootstrap({lang: v}, {lang: b})
         ne = non_english(corr)
         a: dict[str, Any] = {
             "per_language": per,
@@ -116,8 +137,13 @@ def build_report(
             "non_english_english_rate_mean": lang_mean(non_english(eng)),
             "non_english_chinese_rate_mean": lang_mean(non_english(zh)) if zh else 0.0,
         }
-        if base is not None and arm != UNSTEERED and ne:
-            a[f"vs_{UNSTEERED}"] = paired_bootstrap(ne, non_english(by_lang(records, base.correct)))
+        if r.replies:
+            cuts = [x.cut for x in r.replies]
+            a["replies"] = len(cuts)
+            a["cut"] = sum(cuts)
+            a["cut_share"] = cut_share(cuts)
+        if base is not None and arm != base_arm and ne:
+            a[f"vs_{base_arm}"] = paired_bootstrap(ne, non_english(by_lang(records, base.correct)))
         arms[arm] = a
     for ctl in CONTROLS:
         if COMBINED in results and ctl in results:
@@ -127,7 +153,29 @@ def build_report(
                 arms[COMBINED][f"vs_{ctl}"] = paired_bootstrap(ne_b, ne_r)
     chat = any("messages" in r for r in records)
     scoring = {"form": "chat" if chat else "completion", **rules(chat)}
-    return {"arms": arms, "acceptance": acceptance(arms), "scoring": scoring, **meta}
+    return {
+        "arms": arms,
+        "base_arm": base_arm,
+        "acceptance": acceptance(arms),
+        "scoring": scoring,
+        **meta,
+    }
+
+
+def _scripts(replies: Sequence[Any], lang: str) -> dict[str, float]:
+    """Shares of a language's answers written in its own script, in Latin letters, in Han."""
+    mine = [x.script for x in replies if x.lang == lang]
+    return {k: mine.count(k) / len(mine) for k in SCRIPTS} if mine else {}
+
+
+def all_replies(results: Mapping[str, ArmResult]) -> list[Any]:
+    """Every kept reply of every arm, arm by arm."""
+    return [x for r in results.values() for x in r.replies]
+
+
+def check_budget(results: Mapping[str, ArmResult], budget: int, limit: float) -> None:
+    """Stop a run whose replies the budget cut too often (``replies.check_cuts``)."""
+    check_cuts([x.cut for x in all_replies(results)], budget, limit)
 
 
 def acceptance(arms: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,64 +206,100 @@ def acceptance(arms: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _lang_table(
+    title: str, langs: Sequence[str], names: Sequence[str], cell: Callable[[str, str], str]
+) -> list[str]:
+    """A markdown table, one row per language and one column per arm; ``cell(arm, lang)``."""
+    lines = ["", f"## {title}", "", "| lang | " + " | ".join(names) + " |"]
+    lines.append("|---|" + "---|" * len(names))
+    return lines + [f"| {g} | " + " | ".join(cell(a, g) for a in names) + " |" for g in langs]
+
+
+def _pct_ci(d: Mapping[str, Any], key: str = "ci95") -> str:
+    lo, hi = d[key]
+    return f"{100 * d['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
 def report_markdown(report: Mapping[str, Any]) -> str:
     arms = report["arms"]
     names = list(arms)
     langs = list(next(iter(arms.values()))["per_language"])
+    non_en = [g for g in langs if g != "en"]
     lines = ["# Evaluation report", ""]
-    for k in ("model", "artifact", "dataset", "n_items", "interventions", "timings_s"):
+    for k in ("model", "artifact", "dataset", "n_items", "max_tokens", "interventions"):
         if k in report:
             lines.append(f"- **{k}**: `{json.dumps(report[k], ensure_ascii=False)}`")
+    if "timings_s" in report:
+        lines.append(f"- **timings_s**: `{json.dumps(report['timings_s'])}`")
     if sc := report.get("scoring"):
         lines.append(f"- **scoring** ({sc['form']} records): correct = {sc['correct']}")
-    lines += ["", "## Accuracy in the query language (%, Wilson 95 % CI)", ""]
-    lines.append("| lang | n | " + " | ".join(names) + " |")
-    lines.append("|---|---|" + "---|" * len(names))
-    for lang in langs:
-        cells = []
-        for a in names:
-            p = arms[a]["per_language"][lang]
-            cells.append(f"{R.pct(p['accuracy'])} [{R.pct(p['ci95'][0])}, {R.pct(p['ci95'][1])}]")
-        n = arms[names[0]]["per_language"][lang]["n"]
-        lines.append(f"| {lang} | {n} | " + " | ".join(cells) + " |")
+    if any("cut_share" in a for a in arms.values()):
+        cut = ", ".join(f"{a} {arms[a]['cut']}/{arms[a]['replies']}" for a in names)
+        lines.append(
+            f"- **replies cut by the {report.get('max_tokens')}-token budget** before their "
+            f"answer ended: {cut} (every reply is in `replies.jsonl`)"
+        )
+    if plan := report.get("plan"):
+        lines += ["", f"## Plan, declared before the run (`{plan['file']}`)", "", plan["text"]]
+
+    def acc(a: str, g: str) -> str:
+        p = arms[a]["per_language"][g]
+        return f"{R.pct(p['accuracy'])} [{R.pct(p['ci95'][0])}, {R.pct(p['ci95'][1])}] (n={p['n']})"
+
+    lines += _lang_table("Accuracy in the query language (%, Wilson 95 % CI)", langs, names, acc)
     row = []
     for a in names:
         lo, hi = arms[a]["non_english_mean_ci95"]
         row.append(f"**{R.pct(arms[a]['non_english_mean'])}** [{R.pct(lo)}, {R.pct(hi)}]")
-    lines.append("| non-English mean | | " + " | ".join(row) + " |")
-    lines += ["", "## Answered in English instead of the query language (%)", ""]
-    lines.append("| lang | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for lang in langs:
-        if lang == "en":
-            continue
-        cells = [R.pct(arms[a]["per_language"][lang]["english_rate"]) for a in names]
-        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    lines.append("| non-English mean | " + " | ".join(row) + " |")
+    base = report.get("base_arm", UNSTEERED)
+    steered = [a for a in names if a != base]
+    if steered and f"vs_{base}" in arms[steered[0]]["per_language"][langs[0]]:
+
+        def delta(a: str, g: str) -> str:
+            return _pct_ci(arms[a]["per_language"][g][f"vs_{base}"])
+
+        title = f"Paired difference vs {base} per language (pts, 95 % bootstrap CI)"
+        lines += _lang_table(title, langs, steered, delta)
+    if all("script" in arms[a]["per_language"][langs[0]] for a in names):
+
+        def script(a: str, g: str) -> str:
+            s = arms[a]["per_language"][g]["script"]
+            return " / ".join(R.pct(s[k]) for k in SCRIPTS)
+
+        title = "Answer script: query language / Latin / Han / other (% of replies)"
+        lines += _lang_table(title, langs, names, script)
+        if sc:
+            lines += ["", f"Script: {sc.get('script', '')}."]
+    lines += _lang_table(
+        "Answered in English instead of the query language (%)",
+        non_en,
+        names,
+        lambda a, g: R.pct(arms[a]["per_language"][g]["english_rate"]),
+    )
     if sc:
         lines += ["", f"English: {sc['english']}."]
-    lines += ["", "## Answered in Chinese instead of the query language (%)", ""]
-    lines.append("| lang | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for lang in langs:
-        if lang == "zh":
-            continue
-        cells = [R.pct(arms[a]["per_language"][lang].get("chinese_rate")) for a in names]
-        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    lines += _lang_table(
+        "Answered in Chinese instead of the query language (%)",
+        [g for g in langs if g != "zh"],
+        names,
+        lambda a, g: R.pct(arms[a]["per_language"][g].get("chinese_rate")),
+    )
     if sc:
         lines += ["", f"Chinese: {sc['chinese']}."]
-    lines += ["", "## Recall-any: correct in the query language or in English (%)", ""]
-    lines.append("| lang | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    for lang in langs:
-        cells = [R.pct(arms[a]["per_language"][lang]["recall_any"]) for a in names]
-        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    lines += _lang_table(
+        "Recall-any: correct in the query language or in English (%)",
+        langs,
+        names,
+        lambda a, g: R.pct(arms[a]["per_language"][g]["recall_any"]),
+    )
     cells = [R.pct(arms[a]["non_english_recall_any_mean"]) for a in names]
     lines.append("| non-English mean | " + " | ".join(cells) + " |")
     lines += ["", "## Paired comparisons (non-English mean accuracy, paired bootstrap)", ""]
     lines.append("| comparison | difference (pts) | 95 % CI | P(diff <= 0) |")
     lines.append("|---|---|---|---|")
     for a in names:
-        for other in (UNSTEERED, *CONTROLS):
+        for other in dict.fromkeys((base, UNSTEERED, *CONTROLS)):
             key = f"vs_{other}"
             c = arms[a].get(key)
             if c:
@@ -224,10 +308,10 @@ def report_markdown(report: Mapping[str, Any]) -> str:
                     f"| {a} - {other} | {100 * c['diff']:+.1f} | "
                     f"[{100 * lo:+.1f}, {100 * hi:+.1f}] | {c['p_le_0']:.3f} |"
                 )
-    acc = report.get("acceptance") or {}
-    if acc:
+    acc_ = report.get("acceptance") or {}
+    if acc_:
         lines += ["", f"## Acceptance (arm `{COMBINED}`)", ""]
-        lines += [f"- {k}: `{v}`" for k, v in acc.items()]
+        lines += [f"- {k}: `{v}`" for k, v in acc_.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -259,9 +343,16 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: Mapping[str, Any], out_dir: str | Path) -> Path:
-    """``report.json``, ``report.md`` and ``accuracy.png`` into ``out_dir``."""
+def write_report(
+    report: Mapping[str, Any],
+    out_dir: str | Path,
+    results: Mapping[str, ArmResult] | None = None,
+) -> Path:
+    """``report.json``, ``report.md``, ``accuracy.png`` and, given the ``results``, every reply
+    in ``replies.jsonl`` into ``out_dir``."""
     figures = {"accuracy.png": lambda path: plot(report, path)}
+    if results is not None:
+        write_replies(Path(out_dir) / "replies.jsonl", all_replies(results))
     return R.write(out_dir, report, report_markdown(report), figures)
 
 
@@ -287,8 +378,11 @@ def evaluate(
     ``arms``: default every arm of the artifact (:func:`arms.arm_names`)."""
     from tqdm import tqdm
 
+    from steerserve.research.records import dataset_form
+
     arms = arm_names(artifact) if arms is None else arms
     check_arms(arms, artifact)
+    form = dataset_form(records)
     register_artifact(engine, artifact)
     entries = {arm: arm_entries(artifact, arm) or None for arm in arms}
     results = {arm: ArmResult() for arm in arms}
@@ -299,8 +393,12 @@ def evaluate(
             prompts = record_prompts(engine, part)
             for arm in arms:
                 t0 = time.perf_counter()
-                texts = generate(engine, prompts, [entries[arm]] * len(prompts), max_tokens)
-                results[arm].extend(score_all(part, texts), keep_texts)
+                gens = generate(
+                    engine, prompts, [entries[arm]] * len(prompts), max_tokens, form=form
+                )
+                res = score_all(part, [g.text for g in gens])
+                res.replies = [judge(rec, arm, g) for rec, g in zip(part, gens, strict=True)]
+                results[arm].extend(res, keep_texts)
                 times[arm] = round(times[arm] + time.perf_counter() - t0, 1)
                 bar.update(len(part))
             if on_chunk is not None:

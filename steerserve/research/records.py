@@ -15,6 +15,7 @@ from typing import Any
 
 from steerserve.chat import chat_ids, check_messages
 from steerserve.research.facts import FORMS
+from steerserve.research.scoring import fold
 
 Prompt = str | list[dict[str, str]]  # completion text or chat messages
 
@@ -41,6 +42,12 @@ def check_record(rec: Any, where: str = "") -> dict:
         raise ValueError(f"{name}: answers must be a non-empty list")
     out = {**rec, "answers_en": rec.get("answers_en") or []}
     if "messages" in rec:
+        empty = [a for a in rec["answers"] if not isinstance(a, str) or not fold(a, rec["lang"])]
+        if empty:
+            raise ValueError(
+                f"{name}: accepted answers {empty!r} are empty once folded (punctuation and "
+                "whitespace dropped): they would match every reply"
+            )
         try:
             out["messages"] = check_messages(rec["messages"])
         except ValueError as e:

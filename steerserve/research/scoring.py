@@ -1,12 +1,14 @@
 """Scoring answers and the statistics of accuracies, shared by calibration, evaluation and the
 diagnosis.
 
-The answer is the first line of a greedy reply. A **completion** record's answer is correct when
-its normalised text *starts with* a normalised gold answer in the query language (a base model
-continues "Capital:" with the name); a **chat** record's when a normalised gold answer *occurs
-in* it (an assistant may say "The capital of France is Paris."). Normalising: NFKC, casefold,
-punctuation and whitespace removed. Accuracies are averaged per language first, then over
-languages, so every language weighs the same.
+The answer of a **completion** record is the first line of a greedy reply; it is correct when
+its folded text *starts with* a folded gold answer in the query language (a base model continues
+"Capital:" with the name). The answer of a **chat** record is the first sentence of the first
+line (an assistant restates the question: "フランスの首都はパリです。"); it is correct when a folded
+gold answer *occurs in* it. Folding (:func:`fold`): NFKC, casefold, the spellings of one
+katakana name folded together (ヴァ/バ, ウィ/ウイ, ー and ・ dropped), traditional Han folded into
+simplified for Chinese, punctuation and whitespace removed. Accuracies are averaged per language
+first, then over languages, so every language weighs the same.
 
 Wrong answers are also classed by language, the two likely pivots of a multilingual model
 (``RULES`` states each rule; the reports repeat it):
@@ -25,14 +27,40 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steerserve.research.replies import Reply
 
 _PUNCT = re.compile(r"[\s\W_]+", re.UNICODE)
+#: One katakana name, several spellings (ヴェネツィア/ベネチア, ウィーン/ウイーン): folded to one.
+_KANA_FOLDS: tuple[tuple[str, str], ...] = (
+    ("ヴァ", "バ"), ("ヴィ", "ビ"), ("ヴェ", "ベ"), ("ヴォ", "ボ"), ("ヴ", "ブ"),
+    ("ウィ", "ウイ"), ("ウェ", "ウエ"), ("ウォ", "ウオ"), ("ツィ", "チ"), ("ー", ""),
+)  # fmt: skip
+#: A sentence ends at a CJK full stop, or at . ! ? followed by a space when the word before it
+#: is not a one- or two-letter abbreviation ("St. Petersburg", "D. C.").
+_SENTENCE_END = re.compile(r"[。！？]|(?<![\s.][A-Z])(?<![\s.][A-Z][a-z])[.!?](?=\s)")
+
+
+def fold(text: str, lang: str | None = None) -> str:
+    """The form answers are compared in: NFKC, casefold, katakana spellings folded, Chinese
+    (``lang`` zh) traditional Han as simplified, punctuation and whitespace dropped:
+    ``fold("  París.") == "parís"``, ``fold("ヴェネツィア") == fold("ベネチア")``."""
+    t = unicodedata.normalize("NFKC", text).casefold()
+    if any(_kana(c) for c in t):
+        for a, b in _KANA_FOLDS:
+            t = t.replace(a, b)
+    if lang == "zh":
+        from hanziconv import HanziConv
+
+        t = HanziConv.toSimplified(t)
+    return _PUNCT.sub("", t)
 
 
 def normalise(text: str) -> str:
-    """NFKC, casefold, drop punctuation and whitespace: "  París." == "parís"."""
-    return _PUNCT.sub("", unicodedata.normalize("NFKC", text).casefold())
+    """:func:`fold` without a language: "  París." == "parís"."""
+    return fold(text)
 
 
 def first_line(text: str) -> str:
@@ -40,16 +68,34 @@ def first_line(text: str) -> str:
     return text.lstrip(" \t").split("\n", 1)[0].strip()
 
 
-def matches(pred: str, answers: Iterable[str]) -> bool:
-    """True if the normalised prediction starts with some normalised (non-empty) answer."""
-    p = normalise(pred)
-    return any(a and p.startswith(a) for a in map(normalise, answers))
+def first_sentence(text: str) -> str:
+    """A chat answer: the first sentence of the first line (a second sentence may name other
+    places: "パリです。ほかにリヨンも…")."""
+    line = first_line(text)
+    m = _SENTENCE_END.search(line)
+    return line[: m.end()] if m else line
 
 
-def contains(pred: str, answers: Iterable[str]) -> bool:
-    """True if some normalised (non-empty) answer occurs in the normalised prediction."""
-    p = normalise(pred)
-    return any(a and a in p for a in map(normalise, answers))
+def ends_sentence(line: str) -> bool:
+    """Whether a sentence ends inside ``line`` (see :func:`first_sentence`)."""
+    return _SENTENCE_END.search(line) is not None
+
+
+def answer_span(text: str, chat: bool) -> str:
+    """The part of a reply that is scored: first sentence of a chat reply, first line else."""
+    return first_sentence(text) if chat else first_line(text)
+
+
+def matches(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
+    """True if the folded prediction starts with some folded (non-empty) answer."""
+    p = fold(pred, lang)
+    return any(a and p.startswith(a) for a in (fold(x, lang) for x in answers))
+
+
+def contains(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
+    """True if some folded (non-empty) answer occurs in the folded prediction."""
+    p = fold(pred, lang)
+    return any(a and a in p for a in (fold(x, lang) for x in answers))
 
 
 def _is_latin(ch: str) -> bool:
@@ -80,14 +126,18 @@ def looks_chinese(text: str) -> bool:
 
 
 RULES: dict[str, str] = {
-    "correct.completion": "first line, normalised (NFKC, casefold, no punctuation or "
-    "whitespace), starts with a normalised accepted answer",
-    "correct.chat": "first line, normalised, contains a normalised accepted answer",
+    "correct.completion": "first line, folded (NFKC, casefold, katakana spellings, Chinese "
+    "traditional as simplified, no punctuation or whitespace), starts with a folded accepted answer",
+    "correct.chat": "first sentence of the first line, folded, contains a folded accepted answer",
     "english.completion": "wrong, and starts with an English answer (answers_en)",
-    "english.chat": "wrong, and contains an English answer, or is mostly Latin letters when "
-    "the query language's answers are not in Latin script",
-    "chinese": "query language not zh, wrong, and contains the Chinese answer (answers_zh) or "
-    "has Han characters and no kana or Hangul",
+    "english.chat": "wrong, and contains an English answer, or, when the query language's "
+    "answers are not in Latin script, the letters the reply adds to the question are mostly Latin",
+    "chinese": "query language not zh, wrong, and contains the Chinese answer (answers_zh), or "
+    "has Han characters and no kana or Hangul, or (ko) adds Han characters and no kana to the "
+    "question",
+    "script": "the script the answer is written in: latin (the English rule), han (the Chinese "
+    "rule), other (wrong, and the reply adds kana to a non-Japanese or Hangul to a non-Korean "
+    "question), else query",
 }
 
 
@@ -97,6 +147,14 @@ class Score:
     english: bool  # answered in English (the English name) instead of the query language
     recall_any: bool  # correct in the query language or in English
     chinese: bool = False  # answered in Chinese instead of the query language
+    other: bool = False  # wrong, and in another language's script (kana in a Korean reply)
+
+    @property
+    def script(self) -> str:
+        """``query``, ``latin``, ``han`` or ``other``: the script the answer is written in."""
+        if self.english:
+            return "latin"
+        return "han" if self.chinese else "other" if self.other else "query"
 
 
 def score(
@@ -107,24 +165,44 @@ def score(
     chat: bool = False,
     lang: str | None = None,
     answers_zh: Sequence[str] = (),
+    question: str = "",
 ) -> Score:
-    """Score one reply (see the module docstring); ``chat`` selects the chat rules."""
-    pred = first_line(continuation)
+    """Score one reply (see the module docstring); ``chat`` selects the chat rules, whose
+    ``question`` (the last user turn) tells which letters the reply added."""
+    pred = answer_span(continuation, chat)
     hit = contains if chat else matches
-    ok = hit(pred, answers)
+    ok = hit(pred, answers, lang)
     in_en = hit(pred, answers_en)
-    en = not ok and (in_en or (chat and _latin_reply(pred, answers)))
-    zh = not ok and lang != "zh" and (hit(pred, answers_zh) or looks_chinese(pred))
-    return Score(ok, bool(en), ok or in_en, bool(zh))
+    added = "".join(c for c in pred if c.isalpha() and c not in question)
+    en = not ok and (in_en or (chat and _latin_reply(added, answers)))
+    kana = any(map(_kana, added))
+    zh = (
+        not ok
+        and lang != "zh"
+        and (
+            hit(pred, answers_zh, "zh")
+            or looks_chinese(pred)
+            or (chat and lang == "ko" and any(map(_han, added)) and not kana)
+        )
+    )
+    foreign = (lang != "ja" and kana) or (lang != "ko" and any(map(_hangul, added)))
+    other = chat and not (ok or en or zh) and foreign
+    return Score(ok, bool(en), ok or in_en, bool(zh), bool(other))
 
 
-def _latin_reply(pred: str, answers: Sequence[str]) -> bool:
-    """A mostly Latin reply to a question whose answers are not Latin script."""
-    return latin_share(pred) > 0.5 and not any(latin_share(a) > 0.5 for a in answers)
+def _latin_reply(added: str, answers: Sequence[str]) -> bool:
+    """Mostly Latin letters added to a question whose answers are not Latin script."""
+    return latin_share(added) > 0.5 and not any(latin_share(a) > 0.5 for a in answers)
+
+
+def question_of(rec: Mapping[str, Any]) -> str:
+    """The last user turn of a chat record (empty for a completion)."""
+    users = [m["content"] for m in rec.get("messages", ()) if m.get("role") == "user"]
+    return users[-1] if users else ""
 
 
 def score_record(rec: Mapping[str, Any], text: str) -> Score:
-    """:func:`score` with the record's form, language and answers."""
+    """:func:`score` with the record's form, language, answers and question."""
     return score(
         text,
         rec["answers"],
@@ -132,6 +210,7 @@ def score_record(rec: Mapping[str, Any], text: str) -> Score:
         chat="messages" in rec,
         lang=rec.get("lang"),
         answers_zh=rec.get("answers_zh", ()),
+        question=question_of(rec),
     )
 
 
@@ -142,6 +221,7 @@ def rules(chat: bool) -> dict[str, str]:
         "correct": RULES[f"correct.{form}"],
         "english": RULES[f"english.{form}"],
         "chinese": RULES["chinese"],
+        "script": RULES["script"],
     }
 
 
@@ -215,14 +295,16 @@ class ArmResult:
     recall_any: list[bool] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     chinese: list[bool] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)  # every reply, kept (replies.jsonl)
 
     def extend(self, other: ArmResult, texts: bool = True) -> None:
-        """Append ``other``'s items (their texts only if ``texts``)."""
+        """Append ``other``'s items (their texts only if ``texts``; replies always)."""
         self.correct += other.correct
         self.english += other.english
         self.recall_any += other.recall_any
         self.chinese += other.chinese
         self.texts += other.texts if texts else []
+        self.replies += other.replies
 
 
 def score_all(records: Sequence[dict], texts: Sequence[str]) -> ArmResult:

@@ -81,6 +81,8 @@ def test_calibration_artifact_loads(artifact_dir: Path, tiny_gemma: Path) -> Non
 
 
 def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Path) -> None:
+    """eval keeps every reply, counts the ones the budget cut and stops above the limit naming
+    the budget, copies a declared plan into the report and never reruns a finished test."""
     from typer.testing import CliRunner
 
     from steerserve.cli import app
@@ -92,16 +94,36 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
     out = tmp_path / "eval"
     args = ["eval", "--model", str(tiny_gemma), "--artifact", str(artifact_dir),
             "--dataset", str(ds), "--out", str(out), "--dtype", "float32",
-            "--kv-cache-bytes", str(64 << 20)]  # fmt: skip
+            "--kv-cache-bytes", str(64 << 20), "--max-tokens", "3"]  # fmt: skip
+    # The tiny random model never ends a line in 3 tokens: every reply is cut, the run stops.
     res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and "by the 3-token budget" in res.output, res.output
+    assert "limit 2%" in res.output
+    plan = tmp_path / "plan.md"
+    plan.write_text("Items: 6. Arms: all. Metric: non-English mean. Detectable: none (a test).")
+    res = CliRunner().invoke(app, [*args, "--max-cut-share", "1", "--plan", str(plan)])
     assert res.exit_code == 0, res.output
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["arms"]) == set(arm_names(load_artifact(artifact_dir)))
+    assert rep["finished"] and rep["plan"]["text"].startswith("Items: 6.")
     for a in rep["arms"].values():
         assert set(a["per_language"]) == {"en", "fr", "ja"}
         assert a["per_language"]["fr"]["n"] == 2
         assert 0 <= a["non_english_mean"] <= 1
-    assert (out / "accuracy.png").is_file() and (out / "report.md").is_file()
+        assert a["replies"] == 6 and a["cut"] == 6 and a["cut_share"] == 1.0
+        assert set(a["per_language"]["ja"]["script"]) == {"query", "latin", "han", "other"}
+    assert "vs_unsteered" in rep["arms"]["both"]["per_language"]["ja"]
+    replies = [json.loads(x) for x in (out / "replies.jsonl").read_text().splitlines()]
+    assert len(replies) == 6 * len(rep["arms"])
+    assert {"id", "lang", "arm", "text", "verdict", "why", "script", "tokens", "cut"} <= set(
+        replies[0]
+    )
+    assert all(r["tokens"] == 3 and r["cut"] and "cut by the budget" in r["why"] for r in replies)
+    md = (out / "report.md").read_text()
+    assert "Plan, declared before the run" in md and "Answer script" in md
+    assert (out / "accuracy.png").is_file()
+    res = CliRunner().invoke(app, [*args, "--max-cut-share", "1", "--plan", str(plan)])
+    assert res.exit_code != 0 and "a test runs once" in res.output
 
 
 def test_evaluate_chunks_are_exact(artifact_dir: Path, tiny_gemma: Path) -> None:
@@ -168,10 +190,10 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     assert cal_json["grid"]["objective"] == "accuracy" and "item_ids" not in cal_json
     assert cal_json["n_items"] == 3 and cal_json["holdout"]["n_items"] == 3
     assert cal_json["scoring"]["form"] == "chat" and "chat form" in cal_json["prompts"]
-    assert "<= 12 tokens" in cal_json["prompts"]
+    assert "<= 64 tokens" in cal_json["prompts"]
     ev_out = tmp_path / "eval"
     args = ["eval", "--artifact", str(out), "--out", str(ev_out), "--limit-per-lang", "1"]
-    args += ["--arms", "unsteered,both", *common]
+    args += ["--arms", "unsteered,both", "--max-cut-share", "1", *common]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rep = json.loads((ev_out / "report.json").read_text())

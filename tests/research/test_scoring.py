@@ -103,3 +103,47 @@ def test_read_dataset(tmp_path: Path) -> None:
     p.write_text(json.dumps({"id": "a", "lang": "fr", "prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="missing"):
         ev.read_dataset(p)
+
+
+def test_fold_joins_spellings_of_one_name() -> None:
+    assert ev.fold("ヴェネツィア") == ev.fold("ベネチア")  # ヴェ/ベ, ツィ/チ
+    assert ev.fold("ウィーン") == ev.fold("ウイーン")  # ウィ/ウイ, long vowel mark dropped
+    assert ev.fold("ジョン・スミス") == ev.fold("ジョンスミス")  # middle dot is punctuation
+    assert ev.fold("臺北", "zh") == ev.fold("台北", "zh")  # traditional as simplified, for zh
+    assert ev.fold("臺北", "ja") != ev.fold("台北", "ja")  # never for Japanese kanji
+    assert ev.contains("首都是臺北。", ["台北"], "zh")
+
+
+def test_chat_answer_is_the_first_sentence() -> None:
+    assert ev.first_sentence("パリです。ほかにリヨンも大きい。") == "パリです。"
+    assert ev.first_sentence("It is St. Petersburg. Not Moscow.") == "It is St. Petersburg."
+    assert ev.first_sentence("Washington, D.C. is the capital. Yes.") == (
+        "Washington, D.C. is the capital."
+    )
+    s = ev.score("Lyon. Paris is the capital.", ["Paris"], chat=True, lang="en")
+    assert not s.correct  # a second sentence does not count
+
+
+def test_answer_script_of_restated_replies() -> None:
+    q = "ロシアの首都はどこですか？"
+    kw = {"chat": True, "lang": "ja", "answers_zh": ["莫斯科"], "question": q}
+    one = ["モスクワ"], ["Moscow"]
+    assert ev.score("ロシアの首都はモスクワです。", *one, **kw).script == "query"
+    # Latin letters added to a Japanese restatement: English, though most letters are kana
+    assert ev.score("ロシアの首都はMoscowです。", *one, **kw).script == "latin"
+    assert ev.score("ロシアの首都はMoskvaです。", *one, **kw).script == "latin"
+    assert ev.score("ロシアの首都は莫斯科です。", *one, **kw).script == "han"
+    ko = {"chat": True, "lang": "ko", "answers_zh": ["莫斯科"], "question": "러시아의 수도는?"}
+    assert ev.score("러시아의 수도는 莫城입니다.", ["모스크바"], ["Moscow"], **ko).script == "han"
+    # a Korean question answered in Japanese: another script, not Chinese
+    s = ev.score("ロシアの首都はモスクワです。", ["모스크바"], ["Moscow"], **ko)
+    assert (s.script, s.chinese) == ("other", False)
+
+
+def test_chat_record_whose_answer_folds_to_empty_is_refused() -> None:
+    from steerserve.research.records import check_record
+
+    rec = {"id": "x:1:ja", "lang": "ja", "answers": ["・"], "messages": [
+        {"role": "user", "content": "?"}]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"record 'x:1:ja': accepted answers \['・'\] are empty"):
+        check_record(rec, "d.jsonl:1")
