@@ -723,7 +723,8 @@ def _calibrate_logp(
     batch_size: int,
     threads: int,
 ) -> tuple[dict[str, Any], float]:
-    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, no engine);
+    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, no engine;
+    a chat record's gold is forced after the model's own restated prefix, where it writes it);
     the result and the seconds the model took to load (``threads`` 0: torch's own count;
     restored after, so an in-process caller keeps its setting)."""
     import time
@@ -733,6 +734,7 @@ def _calibrate_logp(
     from steerserve.research import calibrate as cal
     from steerserve.research.ceilings import Runner
     from steerserve.research.hf import load_model
+    from steerserve.research.prefixes import answer_position_note, at_answer_position
 
     n0 = torch.get_num_threads()
     if threads:
@@ -742,8 +744,10 @@ def _calibrate_logp(
         mdl, tok = load_model(model_dir, device=device, dtype=dtype)
         t_load = time.perf_counter() - t0
         scorer = Runner(mdl, tok, batch_size)
+        records, held = at_answer_position(scorer, records), at_answer_position(scorer, held)
         result = cal.calibrate_logp(scorer, cands, records, grid, log=typer.echo)
         cal.confirm_logp(scorer, cands, result, held, log=typer.echo)
+        result["logp_position"] = answer_position_note(records + held)
     finally:
         torch.set_num_threads(n0)
     return result, t_load
@@ -1031,6 +1035,46 @@ def headroom(
     for cond, a in report["arms"].items():
         typer.echo(f"{cond:10s} non-English mean {a['non_english_mean']:.3f}")
     typer.echo(f"wrote {out}/report.json, report.md, replies.jsonl")
+
+
+@app.command("audit-sample")
+def audit_sample(
+    replies: Path = typer.Argument(..., help="A run's replies.jsonl."),
+    out: Path = typer.Option(..., help="Writes the blind sample (JSONL) to read and judge."),
+    per_lang: str = typer.Option("ja=42,ko=42,zh=28,fr=28,es=28", help="LANG=N,..."),
+    seed: int = typer.Option(0, help="Which replies are drawn."),
+) -> None:
+    """Draw replies to read, without the scorer's verdicts; a reader adds "correct" and
+    "script" (query, latin, han, other) to each line for audit-score."""
+    from steerserve.research import audit
+
+    n = {k: int(v) for k, v in (x.split("=") for x in _strs(per_lang))}
+    rows = audit.sample(audit.read_replies(replies), n, seed)
+    audit.write_jsonl(out, rows)
+    typer.echo(f"wrote {len(rows)} replies to read to {out}")
+
+
+@app.command("audit-score")
+def audit_score(
+    replies: Path = typer.Argument(..., help="The run's replies.jsonl."),
+    judged: Path = typer.Argument(..., help="The sample with the readers' judgements."),
+    out: Path = typer.Option(..., help="Writes the agreement (JSON)."),
+) -> None:
+    """The scorer against reading: false positive and negative rates, script agreement."""
+    import json
+
+    from steerserve.research import audit
+
+    res = audit.compare(audit.read_jsonl(judged), audit.read_replies(replies))
+    out.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    for group in ("all", "ja/ko", "other"):
+        g = res.get(group)
+        if g:
+            fp, fn = g["false_positive"], g["false_negative"]
+            typer.echo(
+                f"{group}: n={g['n']} false positives {fp['k']}/{fp['n']}, false negatives "
+                f"{fn['k']}/{fn['n']}, script agrees {g['script_agrees']['k']}/{g['n']}"
+            )
 
 
 @app.command()

@@ -52,8 +52,17 @@ from steerserve.research.facts import (
     shots_for,
 )
 from steerserve.research.hf import decoder_layers, left_padded
+from steerserve.research.records import form_of
+from steerserve.research.replies import CHAT_BUDGET, COMPLETION_BUDGET, span_ended
 from steerserve.research.report import pct, pyplot, write
-from steerserve.research.scoring import bootstrap_mean, normalise, paired_bootstrap, score_record
+from steerserve.research.scoring import (
+    bootstrap_mean,
+    contains,
+    first_sentence,
+    normalise,
+    paired_bootstrap,
+    score_record,
+)
 
 log = logging.getLogger("steerserve.ceilings")
 
@@ -68,7 +77,9 @@ SELF_NAME: dict[str, str] = {
     "es": "Español", "de": "Deutsch", "it": "Italiano", "ru": "Русский", "pt": "Português",
     "nl": "Nederlands", "ar": "العربية",
 }  # fmt: skip
-MAX_NEW = 8  # the project's evaluation budget (evaluate.generate: 8 tokens, stop at "\n")
+#: The budgets of the one instrument (``replies.budget``): 8 tokens for a completion's first
+#: line, 64 for a chat reply that restates the question before the name.
+MAX_NEW = {"completion": COMPLETION_BUDGET, "chat": CHAT_BUDGET}
 
 
 # --- prompt conditions (completion form) -------------------------------------------------------
@@ -162,12 +173,7 @@ def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list
     the model would emit them after the prompt (a completion's tokenised in context, so the
     separator merges as in generation; a chat's reply starts a fresh word after the header)."""
     if "messages" in rec:
-        ids = chat_ids(tokenizer, rec["messages"])
-        sep = reply_separator(tokenizer)
-        aliases = [
-            tokenizer(sep + a, add_special_tokens=False)["input_ids"] for a in rec["answers"]
-        ]
-        return ids, [a for i, a in enumerate(aliases) if a and a not in aliases[:i]]
+        return _chat_encode(tokenizer, rec)
     text = rec["prompt"]
     ids = tokenizer(text)["input_ids"]
     sep = answer_sep(rec)
@@ -183,17 +189,37 @@ def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list
     return ids, out
 
 
+def _chat_encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
+    """A chat's prompt ids, then its ``reply_prefix`` (the model's own words before the name,
+    ``prefixes.with_prefixes``) as if already generated; each alias tokenised in context after
+    the prefix (where a merge across the boundary breaks that, the alias alone)."""
+    sep = reply_separator(tokenizer)
+    prefix = rec.get("reply_prefix") or ""
+    pre = tokenizer(sep + prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    aliases = []
+    for a in rec["answers"]:
+        full = tokenizer(sep + prefix + a, add_special_tokens=False)["input_ids"]
+        ok = full[: len(pre)] == pre and len(full) > len(pre)
+        aliases.append(
+            full[len(pre) :] if ok else tokenizer(a, add_special_tokens=False)["input_ids"]
+        )
+    ids = chat_ids(tokenizer, rec["messages"]) + pre
+    return ids, [a for i, a in enumerate(aliases) if a and a not in aliases[:i]]
+
+
 def decided(text: str, rec: Mapping[str, Any]) -> bool:
     """True once more greedy tokens cannot change whether ``text`` is correct (nor, in the
-    completion form, English): a newline ended the first line; a chat reply contains a gold
-    answer; a completion's normalised answer so far matches, or can no longer match, every
-    alias."""
+    completion form, English): a newline ended the first line; a chat reply's first sentence
+    ended (its script is then fixed too) or holds a gold answer; a completion's normalised answer so far matches, or
+    can no longer match, every alias."""
     t = text.lstrip(" \t")
     if "\n" in t:
         return True
+    if "messages" in rec:  # once correct, always correct (and in the query script)
+        return span_ended(text, chat=True) or contains(
+            first_sentence(text), rec["answers"], rec["lang"]
+        )
     p = normalise(t)
-    if "messages" in rec:
-        return any(a and a in p for a in map(normalise, rec["answers"]))
     for group in (rec["answers"], rec.get("answers_en", ())):
         gold = [a for a in map(normalise, group) if a]
         if any(p.startswith(a) for a in gold):
@@ -518,9 +544,10 @@ class Runner:
 
     def _finished(self, tokens: list[int], rec: Mapping[str, Any]) -> tuple[bool, str]:
         """Whether greedy ``tokens`` already fix the score, and their text."""
+        cap = MAX_NEW[form_of(rec)]
         ids = [t for t in tokens if t not in self.eos]
-        text = self.tok.decode(ids[:MAX_NEW], skip_special_tokens=True)
-        done = len(ids) < len(tokens) or len(tokens) >= MAX_NEW or decided(text, rec)
+        text = self.tok.decode(ids[:cap], skip_special_tokens=True)
+        done = len(ids) < len(tokens) or len(tokens) >= cap or decided(text, rec)
         return done, text
 
     def _greedy(self, b: _Batch, cache: Any, lp0: torch.Tensor, recs: list, paths: list) -> list:

@@ -1,0 +1,58 @@
+"""The scorer audit: blind samples and the agreement of scorer and readers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from steerserve.cli import app
+from steerserve.research import audit
+from steerserve.research.replies import Generation, judge, write_replies
+
+
+def _replies() -> list:
+    recs = [audit.chat_records()[i] for i in ("capital_of:FR:ja", "capital_of:FR:fr")]
+    ja, fr = recs
+    return [
+        judge(ja, "unsteered", Generation("フランスの首都はパリです。", 8)),
+        judge(ja, "both", Generation("フランスの首都はParisです。", 8)),
+        judge(fr, "unsteered", Generation("Paris", 2)),
+        judge(fr, "both", Generation("Lyon", 2)),
+    ]
+
+
+def test_sample_is_blind_and_compare_counts_errors(tmp_path: Path) -> None:
+    reps = _replies()
+    rows = audit.sample(reps, {"ja": 2, "fr": 1}, seed=1)
+    assert len(rows) == 3 and all("verdict" not in r and "why" not in r for r in rows)
+    assert rows[0]["question"].startswith("フランス")
+    judged = [
+        {"key": "unsteered|capital_of:FR:ja", "correct": True, "script": "query"},
+        {"key": "both|capital_of:FR:ja", "correct": True, "script": "latin"},  # a lenient reader
+        {"key": "both|capital_of:FR:fr", "correct": True, "script": "query", "note": "x"},
+    ]
+    res = audit.compare(judged, reps)
+    assert res["all"]["n"] == 3
+    assert res["all"]["false_negative"] == {"k": 2, "n": 3, "rate": 2 / 3}
+    assert res["all"]["false_positive"] == {"k": 0, "n": 0, "rate": None}
+    assert res["ja/ko"]["script_agrees"]["k"] == 2
+    assert {d["key"] for d in res["disagreements"]} == {
+        "both|capital_of:FR:ja",
+        "both|capital_of:FR:fr",
+    }
+
+
+def test_audit_commands(tmp_path: Path) -> None:
+    path = write_replies(tmp_path / "replies.jsonl", _replies())
+    blind = tmp_path / "blind.jsonl"
+    res = CliRunner().invoke(app, ["audit-sample", str(path), "--out", str(blind),
+                                   "--per-lang", "ja=2,fr=2"])  # fmt: skip
+    assert res.exit_code == 0 and "wrote 4 replies" in res.output, res.output
+    rows = audit.read_jsonl(blind)
+    judged = tmp_path / "judged.jsonl"
+    audit.write_jsonl(judged, [{**r, "correct": False, "script": "query"} for r in rows])
+    res = CliRunner().invoke(app, ["audit-score", str(path), str(judged), "--out",
+                                   str(tmp_path / "a.json")])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "all: n=4 false positives 2/4, false negatives 0/0" in res.output

@@ -1,0 +1,56 @@
+"""The answer position of chat replies: the model's own prefix, templates, and log P after it."""
+
+from __future__ import annotations
+
+import pytest
+
+from steerserve.research import prefixes as px
+from steerserve.research.ceilings import Runner, encode
+from steerserve.research.facts import eval_records
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ja(n: int = 3) -> list[dict]:
+    return eval_records(
+        "calib", langs=["ja"], limit_per_lang=n, form="chat", relations=["capital_of"]
+    )
+
+
+def test_prefix_is_the_reply_up_to_the_name() -> None:
+    rec = _ja(1)[0]
+    name, en = rec["answers"][0], rec["answers_en"][0]
+    assert px.restated_prefix(rec, f"首都は{name}です。") == "首都は"
+    assert px.restated_prefix(rec, f"首都は{en}です。") == "首都は"  # the English name counts
+    assert px.restated_prefix(rec, "わかりません。首都は" + name) is None  # not in the 1st sentence
+
+
+def test_a_reply_naming_no_answer_borrows_its_relations_template() -> None:
+    recs = _ja(3)
+    subj = [px._facts()[r["id"]].subject for r in recs]
+    replies = [f"{subj[0]}の首都は{recs[0]['answers'][0]}です。", "わかりません。", "{}"]
+    out = px.with_prefixes(recs, replies)
+    assert [r["prefix_source"] for r in out] == ["own", "template", "template"]
+    assert out[0]["reply_prefix"] == f"{subj[0]}の首都は"
+    assert out[1]["reply_prefix"] == f"{subj[1]}の首都は"  # the subject swapped in
+    none = px.with_prefixes(recs[1:], ["?", "?"])
+    assert [r["reply_prefix"] for r in none] == ["", ""]
+    note = px.answer_position_note(out)
+    assert note["counts"] == {"own": 1, "template": 2}
+
+
+def test_log_p_is_forced_after_the_prefix(runner: Runner) -> None:
+    """The prefix becomes prompt; the gold's tokens follow it; without one nothing changes."""
+    rec = _ja(1)[0]
+    ids, aliases = encode(runner.tok, rec)
+    pre = {**rec, "reply_prefix": "首都は"}
+    ids2, aliases2 = encode(runner.tok, pre)
+    tail = runner.tok("首都は", add_special_tokens=False)["input_ids"]
+    assert ids2 == ids + tail
+    whole = runner.tok("首都は" + rec["answers"][0], add_special_tokens=False)["input_ids"]
+    assert aliases2[0] == whole[len(tail) :]
+    assert encode(runner.tok, {**rec, "reply_prefix": ""}) == (ids, aliases)
+    res, _ = runner.run([rec, pre], [None], progress=False)
+    assert res[0][0]["logp"] != res[0][1]["logp"]  # a different position, a different score
+    with_own = px.at_answer_position(runner, [rec])
+    assert with_own[0]["prefix_source"] in {"own", "template", "none"}
