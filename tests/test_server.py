@@ -710,8 +710,6 @@ def test_bad_completions_and_ab(http: httpx.Client) -> None:
         assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
     r = http.post("/v1/chat/completions/ab", json=chat_body(steering=False))
     assert r.status_code == 400 and r.json()["error"]["param"] == "steering"
-    r = http.post("/v1/chat/completions/ab", json=chat_body(stream=True))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
 def test_oversized_body(http: httpx.Client) -> None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from steerserve.server import endpoints, pipeline
+from steerserve.server import endpoints, pages, pipeline
 from steerserve.server import protocol as P
 from steerserve.server.guard import Guard
 from steerserve.server.protocol import (
@@ -83,6 +83,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     _errors(app)
     app.include_router(_ops_router())
     app.include_router(_v1_router(), dependencies=[Depends(require_key)])
+    app.include_router(pages.pages_router())
+    app.include_router(pages.experiments_router(), dependencies=[Depends(require_key)])
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -189,7 +191,7 @@ def _v1_router() -> APIRouter:
     async def chat(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.CHAT)
 
-    @r.post("/chat/completions/ab", **_route(P.ChatCompletionRequest, P.ABResponse))
+    @r.post("/chat/completions/ab", **_route(P.ChatCompletionRequest, P.ABResponse, True))
     async def chat_ab(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.AB)
 

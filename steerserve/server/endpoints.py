@@ -188,6 +188,54 @@ class ChatEvents(Events):
                 yield self._chunk([c])
 
 
+class ArmEvents(ChatEvents):
+    """One arm's chat chunks in a streamed A/B answer, each naming its ``arm``."""
+
+    chunk = P.ABChunk
+
+    def __init__(self, arm: str, *args: Any) -> None:
+        super().__init__(*args)
+        self.arm = arm
+
+    def _chunk(self, choices: list[Any], **kw: Any) -> str:
+        return super()._chunk(choices, arm=self.arm, **kw)
+
+
+class ABEvents(Events):
+    """A streamed A/B answer: both arms' chat chunks interleaved as they are generated (the
+    pipeline streams the arms like two prompts: step ``i`` is arm ``i``), with each arm's own
+    usage at the end when asked for, so a client can show both answers growing side by side."""
+
+    def __init__(
+        self,
+        req: Any,
+        prompts: Prompts,
+        rid: str,
+        info: P.SteeringInfo,
+        tokens: Tokens,
+        infos: list[P.SteeringInfo],
+    ) -> None:
+        super().__init__(req, prompts, rid, info, tokens, infos)
+        self.arms = [
+            ArmEvents(arm, req, prompts, rid + suffix, i, tokens, [i])
+            for arm, suffix, i in zip(("unsteered", "steered"), ("-a", "-b"), infos, strict=True)
+        ]
+        self.completion = [0, 0]
+
+    def head(self) -> Iterator[str]:
+        for arm in self.arms:
+            yield from arm.head()
+
+    def step(self, i: int, out: Any) -> Iterator[str]:
+        self.completion[i] += sum(len(o.token_ids) for o in out.outputs)
+        yield from self.arms[i].step(0, out)
+
+    def tail(self, usage: P.Usage) -> Iterator[str]:
+        prompt = len(self.prompts.ids[0])
+        for arm, n in zip(self.arms, self.completion, strict=True):
+            yield from arm.tail(P.Usage.of(prompt, n))
+
+
 class CompletionEvents(Events):
     """Completion chunks of several prompts merged as they come (choice index = prompt * n +
     sample), echoed prompts first if asked for, then usage if asked for. The first chunk carries
@@ -326,10 +374,9 @@ class ABChat(Chat):
 
     name = "ab"
     ab = True
+    events = ABEvents
 
     def admit(self, req: P.ChatCompletionRequest) -> None:
-        if req.stream:
-            raise ApiError("stream: the A/B endpoint does not stream", param="stream")
         if req.seed is None:
             req.seed = random.randrange(2**31)  # both arms sample with the same seed
 

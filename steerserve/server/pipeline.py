@@ -204,11 +204,14 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     ]
     headers = {HEADER: arms[-1].info.header()}
     if req.stream:
-        [arm] = arms
-        labels = [p[0].label for p in per_prompt]
-        infos = [p[0].info for p in per_prompt]
-        events = ep.events(req, prompts, rid, arm.info, backend.tokens, infos)
-        return await stream(state, call, request, labels, events, gens[0], prompts, headers)
+        if ep.ab:  # one prompt, two arms: streamed like two prompts of the same ids
+            labels, infos = [a.label for a in arms], [a.info for a in arms]
+            units, prompts = [g for [g] in gens], dataclasses.replace(prompts, ids=prompts.ids * 2)
+        else:
+            labels, infos = [p[0].label for p in per_prompt], [p[0].info for p in per_prompt]
+            units = gens[0]
+        events = ep.events(req, prompts, rid, arms[-1].info, backend.tokens, infos)
+        return await stream(state, call, request, labels, events, units, prompts, headers)
     every = [g for per_arm in gens for g in per_arm]
     async with Flight(state, call, request, every) as flight:
         outs = await until_disconnect(request, collect_all(gens))

@@ -349,6 +349,13 @@ class ABResponse(BaseModel):
     identical: bool
 
 
+class ABChunk(ChatCompletionChunk):
+    """A streamed A/B answer's chunk: a chat chunk of one arm (its id ends in -a or -b, as in
+    :class:`ABResponse`), which it names, since both arms are interleaved as they are generated."""
+
+    arm: Literal["unsteered", "steered"]
+
+
 class ArtifactInfo(BaseModel):
     id: str
     name: str

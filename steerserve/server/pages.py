@@ -1,0 +1,185 @@
+"""The two pages people look at: ``/compare`` (both arms of one question side by side, streamed)
+and ``/experiments`` (the server's A/B experiment, live).
+
+The pages are static HTML and JS with no data in them, so they need no key; they read the API
+with the key the user types, so they follow the API's auth. ``/v1/steering/experiments`` is
+admin-level (it is refused where the vectors admin is), and its numbers come from
+``ab_report.report``, the same code as ``steerserve ab-report``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from steerserve import ab_report
+from steerserve.server.experiment import STEERED
+from steerserve.server.protocol import ApiError
+
+if TYPE_CHECKING:
+    from steerserve.server.state import ServerState
+
+PAGES = {"/compare": "compare.html", "/experiments": "experiments.html"}
+ASSETS = {
+    "common.js": "text/javascript; charset=utf-8",
+    "compare.js": "text/javascript; charset=utf-8",
+    "experiments.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+#: No inline script, nothing from elsewhere: a reply that slipped into markup still could not run.
+HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' blob: data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+#: Replies shown on /experiments with --ab-log-content (read from the end of the log).
+RECENT, RECENT_BYTES = 20, 256 << 10
+MIN_SCORED = Query(
+    ab_report.MIN_SCORED, ge=2, description="scored replies per arm to call a winner"
+)
+
+
+@functools.cache
+def _static(name: str) -> bytes:
+    return (resources.files("steerserve.server") / "static" / name).read_bytes()
+
+
+def pages_router() -> APIRouter:
+    """The pages and their scripts: no auth, as they hold no data."""
+    r = APIRouter(include_in_schema=False)
+
+    def page(name: str) -> Any:
+        async def serve() -> Response:
+            return Response(_static(name), media_type="text/html; charset=utf-8", headers=HEADERS)
+
+        return serve
+
+    for path, name in PAGES.items():
+        r.add_api_route(path, page(name), methods=["GET"])
+
+    @r.get("/ui/{name}")
+    async def asset(name: str) -> Response:
+        if name not in ASSETS:
+            raise ApiError(f"no such file: {name!r}", status=404, code="not_found")
+        return Response(_static(name), media_type=ASSETS[name], headers=HEADERS)
+
+    return r
+
+
+def experiments_router() -> APIRouter:
+    """``/v1/steering/experiments`` and its report downloads (the app adds the key check)."""
+    r = APIRouter(prefix="/v1/steering")
+
+    @r.get("/experiments", response_model=None)
+    async def experiments(request: Request, min_scored: int = MIN_SCORED) -> dict[str, Any]:
+        """The A/B experiment: its settings, the report of its decision log, requests by arm
+        and status since this process started, and (with --ab-log-content) recent replies."""
+        return await asyncio.to_thread(snapshot, _admin(request), min_scored)
+
+    @r.get("/experiments/report.{fmt}", response_model=None)
+    async def download(request: Request, fmt: str, min_scored: int = MIN_SCORED) -> Response:
+        """``steerserve ab-report --out``'s report.md, report.json or report.png, now."""
+        if fmt not in ab_report.FORMATS:
+            raise ApiError(f"format: one of {', '.join(ab_report.FORMATS)}", status=404)
+        path = _log_path(_admin(request))
+        if path is None:
+            raise ApiError(
+                "no decision log: start the server with --ab-log (STEERSERVE_AB_LOG)",
+                status=409,
+                code="no_decision_log",
+            )
+        rep = await asyncio.to_thread(_report, path, min_scored)
+        body = await asyncio.to_thread(ab_report.render, rep, fmt)
+        headers = {"content-disposition": f'attachment; filename="report.{fmt}"'}
+        return Response(body, media_type=ab_report.FORMATS[fmt], headers=headers)
+
+    return r
+
+
+def _admin(request: Request) -> ServerState:
+    state: ServerState = request.app.state.steer
+    if state.admin_refusal:
+        raise ApiError(state.admin_refusal, status=403, code="admin_disabled")
+    return state
+
+
+def _log_path(state: ServerState) -> Path | None:
+    path = state.decisions.log.path
+    return path if path is not None and path.is_file() else None
+
+
+def _report(path: Path, min_scored: int) -> dict[str, Any]:
+    """The report of the log as it is now (recomputed only when the file changed)."""
+    st = path.stat()
+    return _report_of(str(path), st.st_size, st.st_mtime_ns, min_scored)
+
+
+@functools.lru_cache(maxsize=4)
+def _report_of(path: str, size: int, mtime_ns: int, min_scored: int) -> dict[str, Any]:
+    return ab_report.report(path, min_n=min_scored)
+
+
+def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict[str, Any]:
+    """What ``/experiments`` shows."""
+    exp, log = state.experiment, state.decisions.log
+    path = _log_path(state)
+    return {
+        "object": "steering.experiments",
+        "experiment": None
+        if exp is None
+        else {
+            "name": exp.name,
+            "split": exp.split,
+            "steered_arm": type(exp.steering(STEERED, state.settings.steering)).__name__.lower(),
+        },
+        "log": {"enabled": log.enabled, "content": log.content, "write_failures": log.failures},
+        "served": served(state),
+        "report": None if path is None else _report(path, min_scored),
+        "recent": recent(path) if path is not None and log.content else [],
+    }
+
+
+def served(state: ServerState) -> dict[str, dict[str, dict[str, int]]]:
+    """Requests under the experiment since this process started, by experiment, arm and HTTP
+    status (failures too, which the decision log does not keep), from the metrics."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for metric in state.metrics.ab_requests.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                exp, arm = s.labels["experiment"], s.labels["arm"]
+                out.setdefault(exp, {}).setdefault(arm, {})[s.labels["status"]] = int(s.value)
+    return out
+
+
+def recent(path: Path, n: int = RECENT) -> list[dict[str, Any]]:
+    """The last ``n`` logged replies with their prompts and scores (only kept in the log with
+    --ab-log-content); read from the end of the log, so a long log costs no more."""
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, 2) - RECENT_BYTES)
+        f.seek(start)
+        lines = f.read().decode("utf-8", "replace").splitlines()[1 if start else 0 :]
+    rows: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict) or "id" not in rec:
+            continue
+        if rec.get("type") == "decision" and "reply" in rec:
+            keep = ("id", "ts", "experiment", "arm", "language", "prompt", "reply")
+            rows[str(rec["id"])] = {k: rec.get(k) for k in keep} | {"score": None}
+        elif rec.get("type") == "feedback" and str(rec["id"]) in rows:
+            rows[str(rec["id"])]["score"] = rec.get("score")
+    return list(rows.values())[-n:][::-1]
