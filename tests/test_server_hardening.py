@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import MODEL, Server, chat_body, make_artifact
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from test_server import MODEL, Server, chat_body, make_artifact, metric
 
 NAME = "hardening"
 
@@ -45,7 +47,7 @@ def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
     async def boom() -> None:  # a route with a bug no handler knows: the catch-all's case
         raise RuntimeError("a bug")
 
-    app.add_api_route("/boom", boom)
+    app.add_api_route("/boom", boom, include_in_schema=False)
     srv = Server(app)
     srv.start()
     yield srv
@@ -136,3 +138,134 @@ def test_catch_all_is_500_in_openai_form_and_keeps_the_connection(
     assert err["type"] == "server_error" and "request id req-" in err["message"], err
     r = http.get("/boom")
     assert r.status_code == 500 and r.headers["x-request-id"] in r.json()["error"]["message"]
+
+
+# --- the bounded fuzz test: 0 x 5xx ---------------------------------------------------------------
+
+FUZZ_BODIES = 2200  # across the five POST routes; GET routes are called between them
+#: Any JSON value, weighted to what broke servers before: integers past float's range, deep
+#: nesting, empty containers, odd strings.
+ANY_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([10**400, -(10**400), 2**63, 2**1024, 0, -1])
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+#: Fields whose valid values must stay small so the engine's work stays bounded.
+BOUNDED = {
+    "max_tokens": st.integers(1, 3),
+    "max_completion_tokens": st.integers(1, 3),
+    "n": st.integers(1, 3),
+    "model": st.sampled_from([MODEL, MODEL, "other"]),
+    "top_logprobs": st.integers(0, 3),
+}
+
+
+def _from_schema(schema: dict[str, Any], comps: dict[str, Any], name: str = "") -> Any:
+    """A strategy for ``schema`` (the subset pydantic publishes), each value sometimes replaced
+    by any JSON value: mostly valid bodies with one or two wrong parts."""
+    if "$ref" in schema:
+        schema = comps[schema["$ref"].rsplit("/", 1)[-1]]
+    if name in BOUNDED:
+        valid = BOUNDED[name]
+    elif "anyOf" in schema:
+        valid = st.one_of([_from_schema(s, comps) for s in schema["anyOf"]])
+    elif "enum" in schema:
+        valid = st.sampled_from(schema["enum"])
+    else:
+        valid = _typed(schema, comps)
+    return st.one_of(valid, valid, valid, ANY_JSON)
+
+
+def _typed(schema: dict[str, Any], comps: dict[str, Any]) -> Any:
+    kind = schema.get("type")
+    lo, hi = schema.get("minimum"), schema.get("maximum")
+    if kind == "object":
+        props = {k: _from_schema(v, comps, k) for k, v in schema.get("properties", {}).items()}
+        required = set(schema.get("required", ()))
+        fixed = st.fixed_dictionaries(
+            {k: v for k, v in props.items() if k in required},
+            optional={k: v for k, v in props.items() if k not in required},
+        )
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            more = st.dictionaries(st.text(max_size=8), _from_schema(extra, comps), max_size=3)
+            return st.tuples(fixed, more).map(lambda t: {**t[1], **t[0]})
+        return fixed
+    if kind == "array":
+        items = _from_schema(schema.get("items", {}), comps)
+        return st.lists(items, min_size=schema.get("minItems", 0), max_size=3)
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=24)
+    if kind == "integer":
+        return st.integers(lo, hi)
+    if kind == "number":
+        return st.floats(lo, hi, allow_nan=False) | st.integers(-3, 3)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    return ANY_JSON
+
+
+def _post_routes(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every POST route of the published document and the schema of its JSON body."""
+    out = {}
+    for path, ops in doc["paths"].items():
+        body = ops.get("post", {}).get("requestBody")
+        if body is not None:
+            out[path] = body["content"]["application/json"]["schema"]
+    return out
+
+
+def test_fuzz_no_body_is_a_5xx(server: Server, http: httpx.Client) -> None:
+    """Bounded property test on the published /openapi.json: bodies generated from each POST
+    route's schema (mostly valid, parts replaced by any JSON value, some not JSON at all) and
+    every GET route: never a 5xx, and the server counts no 500."""
+    doc = http.get("/openapi.json").json()
+    comps = doc["components"]["schemas"]
+    routes = _post_routes(doc)
+    gets = [p for p, ops in doc["paths"].items() if "get" in ops and "{" not in p]
+    assert set(routes) >= {
+        "/v1/chat/completions",
+        "/v1/chat/completions/ab",
+        "/v1/completions",
+        "/v1/steering/feedback",
+        "/v1/steering/vectors",
+    }, routes
+    bodies = {p: _from_schema(s, comps) for p, s in routes.items()}
+    raw = st.binary(max_size=40) | st.text(max_size=40).map(str.encode)
+    case = st.sampled_from(sorted(routes)).flatmap(
+        lambda p: st.tuples(st.just(p), st.one_of(*[bodies[p]] * 19, raw))
+    )
+    seen: dict[str, int] = {}
+    before = metric(http, "steerserve_requests_total", status="500")
+
+    @settings(
+        max_examples=FUZZ_BODIES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate, Phase.shrink],
+    )
+    @given(case)
+    def one(c: tuple[str, Any]) -> None:
+        path, body = c
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(path, content=content, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, content[:300], r.text[:300])
+        seen[path] = seen.get(path, 0) + 1
+        if sum(seen.values()) % 200 == 0:
+            for p in gets:
+                assert http.get(p).status_code < 500, p
+
+    one()
+    assert sum(seen.values()) >= 2000 and len(seen) == len(routes), seen
+    assert metric(http, "steerserve_requests_total", status="500") == before
