@@ -259,3 +259,19 @@ def test_experiments_page_is_live_and_ab_report(
         assert page.evaluate("window.pwned") is None
     finally:
         server.app.state.steer.decisions.log.content = False
+
+
+def test_experiments_refused_beyond_loopback_without_key(tiny_llama: Path) -> None:
+    """Admin-level data: served on 0.0.0.0 without a key, /experiments' data is refused like the
+    vectors admin, while the page itself (no data) opens. No engine is started."""
+    from fastapi.testclient import TestClient
+
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    cfg = EngineConfig(model=str(tiny_llama), dtype="float32", max_model_len=512)
+    client = TestClient(create_app(ServerSettings(engine=cfg, host="0.0.0.0")))
+    r = client.get("/v1/steering/experiments")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
+    assert client.get("/v1/steering/experiments/report.png").status_code == 403
+    assert client.get("/experiments").status_code == 200
