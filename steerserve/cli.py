@@ -732,9 +732,9 @@ def _calibrate_logp(
     import torch
 
     from steerserve.research import calibrate as cal
-    from steerserve.research.ceilings import Runner
     from steerserve.research.hf import load_model
     from steerserve.research.prefixes import answer_position_note, at_answer_position
+    from steerserve.research.runner import Runner
 
     n0 = torch.get_num_threads()
     if threads:

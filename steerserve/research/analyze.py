@@ -35,7 +35,7 @@ from steerserve.research.hf import (
 )
 from steerserve.research.records import encode, record_prompt
 from steerserve.research.reference import steering_hooks
-from steerserve.research.scoring import score_record
+from steerserve.research.scorer import score_record
 
 CLASSES: tuple[str, ...] = ("correct", "conversion", "recall", "unknown")
 

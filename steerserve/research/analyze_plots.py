@@ -10,7 +10,7 @@ import numpy as np
 
 from steerserve.research import report as R
 from steerserve.research.analyze import CLASSES
-from steerserve.research.analyze_report import base_arm
+from steerserve.research.arms import base_arm
 
 
 def figures(rep: Mapping[str, Any]) -> dict[str, Callable[[Path], None]]:

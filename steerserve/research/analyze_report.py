@@ -14,7 +14,8 @@ import numpy as np
 
 from steerserve.research import report as R
 from steerserve.research.analyze import CLASSES, Item, LensConfig
-from steerserve.research.arms import UNSTEERED
+from steerserve.research.analyze_plots import figures
+from steerserve.research.arms import UNSTEERED, base_arm
 
 #: The recall / conversion split of wrong non-English answers reported for larger models (Lu et
 #: al., 2025), shown next to ours.
@@ -518,13 +519,6 @@ def _steering(rep: Mapping[str, Any]) -> list[str]:
     return L
 
 
-def base_arm(arms: Mapping[str, Any]) -> str:
-    """The arm others are compared with: the unsteered one, else the first."""
-    return UNSTEERED if UNSTEERED in arms else next(iter(arms))
-
-
 def write_report(rep: Mapping[str, Any], out_dir: Any) -> Path:
     """``report.json``, ``report.md`` and the PNG figures into ``out_dir``."""
-    from steerserve.research.analyze_plots import figures
-
     return R.write(out_dir, rep, report_markdown(rep), figures(rep), indent=1)

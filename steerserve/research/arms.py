@@ -9,7 +9,7 @@ norm). The controls ask "does any push of this size do it?".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -83,3 +83,8 @@ def random_signs_like(v: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (v.numel(),), generator=g).float() * 2 - 1
     return v.float().flatten() * signs
+
+
+def base_arm(arms: Mapping[str, Any]) -> str:
+    """The arm others are compared with: the unsteered one, else the first."""
+    return UNSTEERED if UNSTEERED in arms else next(iter(arms))

@@ -18,7 +18,7 @@ from typing import Any
 
 from steerserve.research.facts import SPLITS, eval_records
 from steerserve.research.replies import Reply, read_replies
-from steerserve.research.scoring import question_of
+from steerserve.research.scorer import question_of
 
 
 @cache

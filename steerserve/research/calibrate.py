@@ -25,7 +25,9 @@ from steerserve.research import report as R
 from steerserve.research.arms import UNSTEERED
 from steerserve.research.evaluate import generate, record_prompts
 from steerserve.research.extract import NORM_KEY, Candidates, unit_scaled
-from steerserve.research.scoring import by_lang, lang_mean, non_english, rules, score_all
+from steerserve.research.runner import entry_edits
+from steerserve.research.scorer import rules
+from steerserve.research.scoring import by_lang, lang_mean, non_english, paired_bootstrap, score_all
 
 #: Where the vectors are tried, as fractions of the depth: recall in the middle of the stack,
 #: translation late (on an 18-block model blocks 4, 6, 8, 10 and 12, 14, 15, 16).
@@ -484,7 +486,7 @@ def _fmt_d(d: dict[str, Any] | None) -> str:
 # setting is scored by its paired mean change against the unsteered arm on the same items, the
 # winner is chosen on one half of the calibration facts and must confirm on the other (95 % CI of
 # the change above zero, accuracy not lower, English within its guard). Scoring runs in
-# transformers with the engine's steering semantics (``ceilings.Runner`` + ``entry_edits``,
+# transformers with the engine's steering semantics (``runner.Runner`` + ``entry_edits``,
 # tested against the steering reference the engine is tested against): the engine cannot score
 # an answer it did not generate while steering only from the question's last token.
 
@@ -501,8 +503,6 @@ class LogpSweep:
         self.results: dict[tuple, list[dict]] = {}  # per-item results of each pair
 
     def _step(self, pair: tuple[Setting | None, Setting | None]) -> Any:
-        from steerserve.research.ceilings import entry_edits
-
         ss = [s for s in pair if s is not None]
         dev = getattr(self.scorer, "dev", "cpu")  # edits add to hidden states on the model's device
         vectors = {s.vector: unit_scaled(self.cands, s.variant, s.layer).to(dev) for s in ss}
@@ -534,8 +534,6 @@ class LogpSweep:
         return [self.seen[p] for p in pairs]
 
     def _row(self, stage: str, pair: tuple, res: Sequence[dict], secs: float) -> Row:
-        from steerserve.research.scoring import paired_bootstrap
-
         assert self.base is not None
         recs = self.records
         row = Row(stage, pair[0], pair[1], seconds=secs)
@@ -546,8 +544,8 @@ class LogpSweep:
         for key, attr in (("english", "english_rate"), ("recall_any", "recall_any"),
                           ("chinese", "chinese_rate")):  # fmt: skip
             setattr(row, attr, lang_mean(non_english(by_lang(recs, [r[key] for r in res]))))
-        lp = _by_lang_values(recs, [r["logp"] for r in res])
-        lp0 = _by_lang_values(recs, [r["logp"] for r in self.base])
+        lp = by_lang(recs, [r["logp"] for r in res])
+        lp0 = by_lang(recs, [r["logp"] for r in self.base])
         row.logp = lang_mean(non_english(lp))
         d = paired_bootstrap(non_english(lp), non_english(lp0))
         row.d_logp, row.d_logp_ci95 = d["diff"], (d["ci95"][0], d["ci95"][1])
@@ -555,13 +553,6 @@ class LogpSweep:
             lang_mean({"en": lp["en"]}) - lang_mean({"en": lp0["en"]}) if "en" in lp else 0.0
         )
         return row
-
-
-def _by_lang_values(records: Sequence[dict], values: Sequence[float]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    for rec, v in zip(records, values, strict=True):
-        out.setdefault(rec["lang"], []).append(float(v))
-    return out
 
 
 def logp_feasible(row: Row, grid: Grid) -> bool:
@@ -583,7 +574,7 @@ def calibrate_logp(
 ) -> dict[str, Any]:
     """:func:`calibrate`'s stages (each vector alone, the top-k pairs, a finer scale step and
     other positions around the best pair) chosen by paired Δ mean log P(gold), non-English,
-    with English log P within ``grid.max_en_logp_drop``; ``scorer`` is a ``ceilings.Runner``."""
+    with English log P within ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
     t0 = time.perf_counter()
     sw = LogpSweep(scorer, cands, records, log)
     pos0 = grid.positions[0]
@@ -680,7 +671,6 @@ def confirm_logp(
 ) -> dict[str, Any]:
     """The chosen pair on the other half of the calibration facts, paired against the
     unsteered arm there; whether it confirms follows :data:`CONFIRM_RULE` for the form."""
-    from steerserve.research.scoring import paired_bootstrap
 
     winner: Row = result["_winner"]
     grid = result["grid"]

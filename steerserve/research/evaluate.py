@@ -31,6 +31,7 @@ from steerserve.research.replies import (
     stop_strings,
     write_replies,
 )
+from steerserve.research.scorer import rules
 from steerserve.research.scoring import (
     ArmResult,
     bootstrap_mean,
@@ -38,7 +39,6 @@ from steerserve.research.scoring import (
     lang_mean,
     non_english,
     paired_bootstrap,
-    rules,
     score_all,
     wilson,
 )

@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any
 
 from steerserve.research.facts import Fact, load_facts
-from steerserve.research.scoring import first_sentence
+from steerserve.research.scorer import first_sentence
 
 
 def restated_prefix(rec: Mapping[str, Any], reply: str) -> str | None:

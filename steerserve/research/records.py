@@ -15,7 +15,7 @@ from typing import Any
 
 from steerserve.chat import chat_ids, check_messages
 from steerserve.research.facts import FORMS
-from steerserve.research.scoring import fold
+from steerserve.research.scorer import fold
 
 Prompt = str | list[dict[str, str]]  # completion text or chat messages
 

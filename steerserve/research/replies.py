@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from steerserve.research.scoring import (
+from steerserve.research.scorer import (
     Score,
     answer_span,
     ends_sentence,

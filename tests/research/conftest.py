@@ -1,4 +1,4 @@
-"""Fixtures of the research tests that drive the ceilings runner on the tiny random Gemma 3."""
+"""Fixtures of the research tests that drive the research runner on the tiny random Gemma 3."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from steerserve.research.ceilings import Runner
+from steerserve.research.runner import Runner
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,7 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
 ) -> None:
     import torch
 
-    from steerserve.research.ceilings import Runner
+    from steerserve.research.runner import Runner
 
     with pytest.raises(ValueError, match="objective"):
         cal.Grid(objective="luck", recall_layers=(1,), translation_layers=(2,))

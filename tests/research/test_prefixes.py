@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from steerserve.research import prefixes as px
-from steerserve.research.ceilings import Runner, encode
 from steerserve.research.facts import eval_records
+from steerserve.research.runner import Runner, encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

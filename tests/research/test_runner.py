@@ -1,18 +1,16 @@
-"""The ceilings runner's mechanics on a tiny random Gemma 3: forced log P, greedy, and edits
+"""The research runner's mechanics on a tiny random Gemma 3: forced log P, greedy, and edits
 against plain full forwards and the transformers steering reference."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research.ceilings import Edit, Runner, decided, encode, entry_edits, summarise
 from steerserve.research.reference import greedy, phases, steering_hooks
-from steerserve.research.scoring import score
+from steerserve.research.runner import Edit, Runner, decided, encode, entry_edits
+from steerserve.research.scorer import score
+from steerserve.research.scoring import summarise
 
 RECORDS = [
     {"id": "a", "lang": "en", "prompt": "Country: France. Capital:", "answers": ["Paris", "Pa"]},
@@ -91,7 +89,7 @@ def test_decided_and_summary() -> None:
     assert decided(" Rome", {"answers": ["Paris"], "answers_en": ["Paris"]})
     assert not decided(" Pa", parigi)
     assert decided(" Pa\n", parigi)
-    chat = {"messages": [], "answers": ["Paris"]}
+    chat = {"messages": [], "lang": "fr", "answers": ["Paris"]}
     assert not decided("Rome", chat)  # a chat reply may still name the answer later
     assert decided("It is Paris", chat)
     assert decided("Rome\n", chat)
@@ -118,7 +116,7 @@ CHAT = {
 
 def test_chat_records_are_rendered_as_served_and_scored_by_the_chat_rule(runner: Runner) -> None:
     from steerserve.chat import chat_ids
-    from steerserve.research.scoring import score_record
+    from steerserve.research.scorer import score_record
 
     ids, aliases = encode(runner.tok, CHAT)
     assert ids == chat_ids(runner.tok, CHAT["messages"])
@@ -134,80 +132,3 @@ def test_chat_records_are_rendered_as_served_and_scored_by_the_chat_rule(runner:
     toks, _ = greedy(runner.model, ids, 8)
     text = runner.tok.decode([t for t in toks if t != 2], skip_special_tokens=True)
     assert res[0]["correct"] == score_record(CHAT, text).correct
-
-
-def test_conditions_keep_the_form_and_the_answers() -> None:
-    from steerserve.research.ceilings import condition_records, conditions, fact_index
-    from steerserve.research.facts import eval_records
-
-    facts = fact_index("calib")
-    for form in ("completion", "chat"):
-        items = eval_records("calib", langs=["ja"], limit_per_lang=1, form=form)
-        for cond in conditions(form):
-            (rec,) = condition_records(items, facts, cond)
-            assert ("messages" in rec) == (form == "chat") != ("prompt" in rec)
-            assert rec["answers"] == items[0]["answers"]
-    assert "zero" not in conditions("chat")  # the chat's evaluation form is zero-shot
-    chat = eval_records("calib", langs=["ja"], limit_per_lang=1, form="chat")
-    (mixed,) = condition_records(chat, facts, "mixed5")
-    assert len(mixed["messages"]) == 12 and mixed["messages"][-1] == chat[0]["messages"][-1]
-    assert mixed["messages"][1]["content"].isascii()  # English demonstrations
-
-
-def test_oracle_pivots_sanity_and_resume(runner: Runner, tmp_path: Path) -> None:
-    from steerserve.research.ceilings import fact_index, oracle
-    from steerserve.research.facts import eval_records
-
-    items = eval_records("calib", langs=["en", "zh", "ja"], limit_per_lang=1)
-    facts = fact_index("calib")
-    kw = dict(per_relation=1, layers=[0, 3], pivots=("en", "zh"), partial=tmp_path, group=1)
-    out = oracle(runner, items, facts, **kw)
-    assert out["pivots"]["en"]["n_items"] == 2 and out["pivots"]["zh"]["n_items"] == 1
-    for pv, sfx in (("en", ""), ("zh", ".zh")):
-        e = out["pivots"][pv]["edits"]
-        assert e[f"self{sfx}@2"]["logp"]["diff_non_en"]["diff"] == pytest.approx(0, abs=1e-4)
-        assert {f"replace_fact{sfx}@3", f"add_rel{sfx}@0"} <= set(e)
-    # a rerun reads every piece back instead of running the model
-    broken = Runner.__new__(Runner)
-    broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
-    again = oracle(broken, items, facts, **kw)
-    assert again["pivots"] == out["pivots"]
-
-
-def test_headroom_limits_pair_on_the_same_items(runner: Runner, tmp_path: Path) -> None:
-    from steerserve.research.ceilings import fact_index, headroom, headroom_md
-    from steerserve.research.facts import eval_records
-
-    items = eval_records("calib", langs=["en", "zh", "ja"], limit_per_lang=2, form="chat")
-    out = headroom(runner, items, fact_index("calib"), 0, tmp_path, {"native5": 1})
-    n = out["n_items"]
-    assert n["eval"] == n["convert"] == n["english"] == n["chinese"] == 6 and n["native5"] == 3
-    assert out["ids"]["native5"] == [items[i]["id"] for i in (0, 2, 4)]
-    assert (
-        out["conditions"]["english"]["correct"]["per_lang"]["ja"]
-        == (out["conditions"]["eval"]["correct"]["per_lang"]["en"])
-    )  # the English twin's answers
-    assert {"known_zh", "wrong_but_known_zh"} <= set(out["shares"])
-    assert "| (vii) same fact asked in Chinese" in "\n".join(headroom_md(out))
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
-        "convert.json", "eval.json", "mixed5.json", "native5.json", "seconds.json",
-    ]  # fmt: skip
-    # a rerun with a limit reuses a piece kept from an unlimited run on all its items, and
-    # refuses one that belongs to other items (never pairs results with the wrong facts)
-    broken = Runner.__new__(Runner)
-    broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
-    again = headroom(broken, items, fact_index("calib"), 0, tmp_path, {"native5": 1, "mixed5": 1})
-    assert again["n_items"]["mixed5"] == 6 and again["n_items"]["native5"] == 3
-    assert again["conditions"]["mixed5"] == out["conditions"]["mixed5"]
-    with pytest.raises(ValueError, match="native5.json holds 3 results, not 6"):
-        headroom(broken, items, fact_index("calib"), 0, tmp_path, {"native5": 2})  # 2 = all items
-    # the report: per-language log P, and a small summary.json without the per-item results
-    from steerserve.research.ceilings import write_report
-
-    rep = {"model": "tiny", "experiments": {"headroom@0of1": {**out, "command": "c", "setup": ""}}}
-    write_report(rep, tmp_path / "rep")
-    assert (
-        "Mean teacher-forced log P(gold) per language" in (tmp_path / "rep/report.md").read_text()
-    )
-    summ = json.loads((tmp_path / "rep/summary.json").read_text())["experiments"]["headroom@0of1"]
-    assert "items" not in summ and "ids" not in summ and summ["conditions"] == out["conditions"]

@@ -18,13 +18,14 @@ alone. Here the task is "answer the fact, in the query language".
    (Gemma 3) normalise the attention output before the residual add, so the FV's raw scale is
    not the residual stream's: it is swept (``scales``), not trusted.
 5. Added once at the last prompt token of the zero-shot form at a few blocks (about a quarter, a
-   third and half of the depth); selected and confirmed like step 3a (``_select_confirm``).
+   third and half of the depth); selected and confirmed like step 3a (``selection.select_confirm``).
 
 Works for decoders whose attention has ``self_attn.o_proj`` (Gemma 3, Qwen2, Llama).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import random
@@ -36,23 +37,18 @@ from typing import Any
 
 import torch
 
-from steerserve.research.ceilings import (
-    Edit,
-    Runner,
-    _as_prompt,
-    _select_confirm,
-    cached,
-    cached_tensors,
-    encode,
-    form_prompt,
-    pooled_train_facts,
-    taskvec_md,
-)
+from steerserve.research.cache import cached, cached_tensors
+from steerserve.research.conditions import as_prompt, form_prompt, pooled_train_facts
+from steerserve.research.experiments import selection
+from steerserve.research.experiments.base import Context, Experiment, Plan, floats, ints
+from steerserve.research.experiments.selection import select_confirm
+from steerserve.research.experiments.taskvec import taskvec_md
 from steerserve.research.extract import encode as encode_prompt
 from steerserve.research.facts import ANSWER_SEP, Fact, query, shots_for
 from steerserve.research.hf import decoder_layers, left_padded
+from steerserve.research.runner import Edit, Runner, encode
 
-log = logging.getLogger("steerserve.function_vectors")
+log = logging.getLogger("steerserve.research.funcvec")
 
 # --- heads -------------------------------------------------------------------------------------
 
@@ -271,7 +267,7 @@ def function_vectors(
                 {
                     "lang": f.lang,
                     "answers": list(f.answers),
-                    **_as_prompt(
+                    **as_prompt(
                         corrupted_prompt(f, form, 5, seed)
                         if kind == "corrupt"
                         else form_prompt(f, "native5", form, seed)
@@ -304,9 +300,9 @@ def function_vectors(
     chosen = [(ly, j) for _, ly, j in flat[:heads]]
     fv = function_vector(runner.model, means, chosen).float()
     edits = [Edit(f"fv{heads}x{s:g}@{ly}", ly, "add", fv, s) for ly in layers for s in scales]
-    rs = [{**r, **_as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in sel]
-    rc = [{**r, **_as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in conf]
-    forms = {"zero": _select_confirm(runner, rs, rc, edits, top, p("zero"))}
+    rs = [{**r, **as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in sel]
+    rc = [{**r, **as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in conf]
+    forms = {"zero": select_confirm(runner, rs, rc, edits, top, p("zero"))}
     t3 = time.perf_counter()
     log.info("function-vector edits: %.0f s", t3 - t2)
     n = len(got["clean"])
@@ -353,3 +349,33 @@ def funcvec_md(t: Mapping[str, Any]) -> list[str]:
         for i, h in enumerate(t["heads"])
     ]
     return [*lines, "", *taskvec_md(t)]
+
+
+def _options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fv-layers", default=None, help="function-vector blocks (default: ~L/4, L/3, L/2)"
+    )
+    p.add_argument("--fv-scales", default="0.5,1,2,4", help="function-vector scales (x raw FV)")
+    p.add_argument("--fv-heads", type=int, default=10, help="heads summed into the function vector")
+    p.add_argument(
+        "--fv-prompts", type=int, default=32, help="corrupted prompts the indirect effects average"
+    )
+
+
+def _run(ctx: Context, plan: Plan) -> dict[str, Any]:
+    a, i = ctx.args, plan.inputs
+    layers = None if a.fv_layers is None else ints(a.fv_layers)
+    return function_vectors(
+        ctx.runner, i["sel"], i["conf"], ctx.facts, layers, floats(a.fv_scales),
+        a.fv_heads, a.fv_prompts, top=a.top, seed=a.seed, partial=ctx.partial(plan.key),
+    )  # fmt: skip
+
+
+EXPERIMENT = Experiment(
+    "funcvec",
+    "Step 3d: function vector (Todd et al.), top heads by indirect effect",
+    lambda ctx: selection.step3_plan("funcvec", ctx),
+    _run,
+    funcvec_md,
+    (selection.options, _options),
+)

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from steerserve.research.ceilings import Runner, fact_index, form_prompt
-from steerserve.research.facts import eval_records, load_facts, prompt, query
-from steerserve.research.function_vectors import (
+from steerserve.research.conditions import fact_index, form_prompt
+from steerserve.research.experiments.funcvec import (
     HeadHooks,
     corrupted_prompt,
     function_vectors,
@@ -20,6 +19,8 @@ from steerserve.research.function_vectors import (
     head_outputs,
     o_projs,
 )
+from steerserve.research.facts import eval_records, load_facts, prompt, query
+from steerserve.research.runner import Runner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,37 +103,3 @@ def test_funcvec_runs_end_to_end(runner: Runner, tmp_path: Path) -> None:
     # resumable: the kept pieces give the same result
     again = function_vectors(runner, sel, conf, facts, **kw, top=2, partial=tmp_path)
     assert again["heads"] == out["heads"] and again["forms"] == out["forms"]
-
-
-def test_funcvec_cli_writes_its_section(tiny_gemma: Path, tmp_path: Path) -> None:
-    """Through ``python -m`` on purpose: the module then runs as ``__main__`` and
-    function_vectors imports a second copy unless the CLI delegates to the importable one.
-    The folder holds only an earlier run's committed ``summary.json`` (as a fresh checkout
-    does: report.json is not committed): its experiment must stay in the report."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    earlier = {"command": "python -m steerserve.research.ceilings --experiments taskvec",
-               "setup": "an earlier run", "means_seconds": 0.0, "forms": {}}  # fmt: skip
-    (tmp_path / "summary.json").write_text(
-        json.dumps({"model": "m", "form": "completion", "experiments": {"taskvec": earlier}})
-    )
-
-    args = ["--model", str(tiny_gemma), "--out", str(tmp_path), "--experiments", "funcvec",
-            "--langs", "fr", "--select-part", "0/20", "--confirm-part", "1/20", "--threads", "1",
-            "--fv-layers", "1", "--fv-scales", "2", "--fv-heads", "2", "--fv-prompts", "3",
-            "--top", "1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, "-m", "steerserve.research.ceilings", *args], check=True, env=env
-    )
-    md = (tmp_path / "report.md").read_text()
-    assert "## Step 3d: function vector (Todd et al.), top heads by indirect effect" in md
-    assert "| fv2x2@1 |" in md and "Confirmation on" in md
-    assert "## Step 3a: recall task vector" in md and "an earlier run" in md
-    assert set(json.loads((tmp_path / "summary.json").read_text())["experiments"]) == {
-        "taskvec",
-        "funcvec",
-    }

@@ -18,12 +18,8 @@ import torch
 
 from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
 from steerserve.models import load_hf_model, resolve_model
-from steerserve.research.ceilings import (
-    cached_tensors,
-    form_prompt,
-    pooled_means,
-    pooled_train_facts,
-)
+from steerserve.research.cache import cached_tensors
+from steerserve.research.conditions import form_prompt, pooled_means, pooled_train_facts
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 LAYER, SCALE, LANGS = 20, 0.5, ["ja", "ko", "zh"]

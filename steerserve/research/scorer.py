@@ -1,0 +1,219 @@
+"""The one scorer of replies, chat and completion, shared by calibration, evaluation, the
+research runner and the diagnosis (the statistics over scored replies are ``scoring.py``).
+
+The answer of a **completion** record is the first line of a greedy reply; it is correct when
+its folded text *starts with* a folded gold answer in the query language (a base model continues
+"Capital:" with the name). The answer of a **chat** record is the first sentence of the first
+line (an assistant restates the question: "フランスの首都はパリです。"); it is correct when a folded
+gold answer *occurs in* it. Folding (:func:`fold`): NFKC, casefold, the spellings of one
+katakana name folded together (ヴァ/バ, ウィ/ウイ, ー and ・ dropped), traditional Han folded into
+simplified for Chinese, punctuation and whitespace removed.
+
+Wrong answers are also classed by language, the two likely pivots of a multilingual model
+(``RULES`` states each rule; the reports repeat it):
+
+- ``english``: completion: starts with an English gold name; chat: contains one, or, when the
+  query language's answers are not in Latin script, is mostly Latin letters.
+- ``chinese``: contains the fact's Chinese answer (``answers_zh``), or has Han characters and
+  no kana or Hangul (for Japanese queries a kanji-only wrong answer counts as Chinese).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_PUNCT = re.compile(r"[\s\W_]+", re.UNICODE)
+#: One katakana name, several spellings (ヴェネツィア/ベネチア, ウィーン/ウイーン): folded to one.
+_KANA_FOLDS: tuple[tuple[str, str], ...] = (
+    ("ヴァ", "バ"), ("ヴィ", "ビ"), ("ヴェ", "ベ"), ("ヴォ", "ボ"), ("ヴ", "ブ"),
+    ("ウィ", "ウイ"), ("ウェ", "ウエ"), ("ウォ", "ウオ"), ("ツィ", "チ"), ("ー", ""),
+)  # fmt: skip
+#: A sentence ends at a CJK full stop, or at . ! ? followed by a space when the word before it
+#: is not a one- or two-letter abbreviation ("St. Petersburg", "D. C.").
+_SENTENCE_END = re.compile(r"[。！？]|(?<![\s.][A-Z])(?<![\s.][A-Z][a-z])[.!?](?=\s)")
+
+
+def fold(text: str, lang: str | None = None) -> str:
+    """The form answers are compared in: NFKC, casefold, katakana spellings folded, Chinese
+    (``lang`` zh) traditional Han as simplified, punctuation and whitespace dropped:
+    ``fold("  París.") == "parís"``, ``fold("ヴェネツィア") == fold("ベネチア")``."""
+    t = unicodedata.normalize("NFKC", text).casefold()
+    if any(_kana(c) for c in t):
+        for a, b in _KANA_FOLDS:
+            t = t.replace(a, b)
+    if lang == "zh":
+        from hanziconv import HanziConv
+
+        t = HanziConv.toSimplified(t)
+    return _PUNCT.sub("", t)
+
+
+def normalise(text: str) -> str:
+    """:func:`fold` without a language: "  París." == "parís"."""
+    return fold(text)
+
+
+def first_line(text: str) -> str:
+    """The answer is the first non-empty-prefix line: ``" Paris\\nCountry: ..."`` -> ``"Paris"``."""
+    return text.lstrip(" \t").split("\n", 1)[0].strip()
+
+
+def first_sentence(text: str) -> str:
+    """A chat answer: the first sentence of the first line (a second sentence may name other
+    places: "パリです。ほかにリヨンも…")."""
+    line = first_line(text)
+    m = _SENTENCE_END.search(line)
+    return line[: m.end()] if m else line
+
+
+def ends_sentence(line: str) -> bool:
+    """Whether a sentence ends inside ``line`` (see :func:`first_sentence`)."""
+    return _SENTENCE_END.search(line) is not None
+
+
+def answer_span(text: str, chat: bool) -> str:
+    """The part of a reply that is scored: first sentence of a chat reply, first line else."""
+    return first_sentence(text) if chat else first_line(text)
+
+
+def matches(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
+    """True if the folded prediction starts with some folded (non-empty) answer."""
+    p = fold(pred, lang)
+    return any(a and p.startswith(a) for a in (fold(x, lang) for x in answers))
+
+
+def contains(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
+    """True if some folded (non-empty) answer occurs in the folded prediction."""
+    p = fold(pred, lang)
+    return any(a and a in p for a in (fold(x, lang) for x in answers))
+
+
+def _is_latin(ch: str) -> bool:
+    return ch.isalpha() and unicodedata.name(ch, "").startswith("LATIN")
+
+
+def latin_share(text: str) -> float:
+    """Share of the letters of ``text`` that are Latin (0 when it has none)."""
+    letters = [c for c in text if c.isalpha()]
+    return sum(map(_is_latin, letters)) / len(letters) if letters else 0.0
+
+
+def _han(c: str) -> bool:
+    return "\u4e00" <= c <= "\u9fff" or "\u3400" <= c <= "\u4dbf" or "\uf900" <= c <= "\ufaff"
+
+
+def _kana(c: str) -> bool:
+    return "\u3040" <= c <= "\u30ff" or "\u31f0" <= c <= "\u31ff" or "\uff66" <= c <= "\uff9f"
+
+
+def _hangul(c: str) -> bool:
+    return "\uac00" <= c <= "\ud7a3" or "\u1100" <= c <= "\u11ff" or "\u3130" <= c <= "\u318f"
+
+
+def looks_chinese(text: str) -> bool:
+    """Han characters and neither kana nor Hangul: Chinese rather than Japanese or Korean."""
+    return any(map(_han, text)) and not any(_kana(c) or _hangul(c) for c in text)
+
+
+RULES: dict[str, str] = {
+    "correct.completion": "first line, folded (NFKC, casefold, katakana spellings, Chinese "
+    "traditional as simplified, no punctuation or whitespace), starts with a folded accepted answer",
+    "correct.chat": "first sentence of the first line, folded, contains a folded accepted answer",
+    "english.completion": "wrong, and starts with an English answer (answers_en)",
+    "english.chat": "wrong, and contains an English answer, or, when the query language's "
+    "answers are not in Latin script, the letters the reply adds to the question are mostly Latin",
+    "chinese": "query language not zh, wrong, and contains the Chinese answer (answers_zh), or "
+    "has Han characters and no kana or Hangul, or (ko) adds Han characters and no kana to the "
+    "question",
+    "script": "the script the answer is written in: latin (the English rule), han (the Chinese "
+    "rule), other (wrong, and the reply adds kana to a non-Japanese or Hangul to a non-Korean "
+    "question), else query",
+}
+
+
+@dataclass(frozen=True)
+class Score:
+    correct: bool
+    english: bool  # answered in English (the English name) instead of the query language
+    recall_any: bool  # correct in the query language or in English
+    chinese: bool = False  # answered in Chinese instead of the query language
+    other: bool = False  # wrong, and in another language's script (kana in a Korean reply)
+
+    @property
+    def script(self) -> str:
+        """``query``, ``latin``, ``han`` or ``other``: the script the answer is written in."""
+        if self.english:
+            return "latin"
+        return "han" if self.chinese else "other" if self.other else "query"
+
+
+def score(
+    continuation: str,
+    answers: Sequence[str],
+    answers_en: Sequence[str] = (),
+    *,
+    chat: bool = False,
+    lang: str | None = None,
+    answers_zh: Sequence[str] = (),
+    question: str = "",
+) -> Score:
+    """Score one reply (see the module docstring); ``chat`` selects the chat rules, whose
+    ``question`` (the last user turn) tells which letters the reply added."""
+    pred = answer_span(continuation, chat)
+    hit = contains if chat else matches
+    ok = hit(pred, answers, lang)
+    in_en = hit(pred, answers_en)
+    added = "".join(c for c in pred if c.isalpha() and c not in question)
+    en = not ok and (in_en or (chat and _latin_reply(added, answers)))
+    kana = any(map(_kana, added))
+    zh = (
+        not ok
+        and lang != "zh"
+        and (
+            hit(pred, answers_zh, "zh")
+            or looks_chinese(pred)
+            or (chat and lang == "ko" and any(map(_han, added)) and not kana)
+        )
+    )
+    foreign = (lang != "ja" and kana) or (lang != "ko" and any(map(_hangul, added)))
+    other = chat and not (ok or en or zh) and foreign
+    return Score(ok, bool(en), ok or in_en, bool(zh), bool(other))
+
+
+def _latin_reply(added: str, answers: Sequence[str]) -> bool:
+    """Mostly Latin letters added to a question whose answers are not Latin script."""
+    return latin_share(added) > 0.5 and not any(latin_share(a) > 0.5 for a in answers)
+
+
+def question_of(rec: Mapping[str, Any]) -> str:
+    """The last user turn of a chat record (empty for a completion)."""
+    users = [m["content"] for m in rec.get("messages", ()) if m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def score_record(rec: Mapping[str, Any], text: str) -> Score:
+    """:func:`score` with the record's form, language, answers and question."""
+    return score(
+        text,
+        rec["answers"],
+        rec.get("answers_en", ()),
+        chat="messages" in rec,
+        lang=rec.get("lang"),
+        answers_zh=rec.get("answers_zh", ()),
+        question=question_of(rec),
+    )
+
+
+def rules(chat: bool) -> dict[str, str]:
+    """The rules a report on records of this form was scored by."""
+    form = "chat" if chat else "completion"
+    return {
+        "correct": RULES[f"correct.{form}"],
+        "english": RULES[f"english.{form}"],
+        "chinese": RULES["chinese"],
+        "script": RULES["script"],
+    }
