@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_server import MODEL, Server, chat_body, make_artifact, metric
 
+from steerserve.server.experiment import DecisionLog, Experiment
+
 NAME = "hardening"
 
 
@@ -138,6 +140,85 @@ def test_catch_all_is_500_in_openai_form_and_keeps_the_connection(
     assert err["type"] == "server_error" and "request id req-" in err["message"], err
     r = http.get("/boom")
     assert r.status_code == 500 and r.headers["x-request-id"] in r.json()["error"]["message"]
+
+
+# --- feedback and subjects ------------------------------------------------------------------------
+
+
+def _answer(http: httpx.Client, user: str) -> dict[str, Any]:
+    r = http.post(
+        "/v1/chat/completions", json=chat_body("Bonjour, ça va ?", max_tokens=1, user=user)
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_d3_feedback_is_bounded_and_limited_per_id(
+    http: httpx.Client, root: Path, tmp_path: Path
+) -> None:
+    """Defect 3: a score outside [-1, 1] (-1e308, 2) is a 400 naming ``score``; an answer takes
+    at most 5 scores (the last counts), then 429; the report stays finite, valid JSON."""
+    rid = _answer(http, "scorer")["id"]
+    for bad in (-1e308, 2, 1e308):
+        r = http.post("/v1/steering/feedback", json={"id": rid, "score": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "score", r.text
+    for score in (1, 0, -1, 0.5, 1):
+        r = http.post("/v1/steering/feedback", json={"id": rid, "score": score})
+        assert r.status_code == 200, r.text
+    r = http.post("/v1/steering/feedback", json={"id": rid, "score": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "feedback_limit", r.text
+    other = _answer(http, "scorer-2")["id"]  # the limit is per answer
+    assert http.post("/v1/steering/feedback", json={"id": other, "score": -1}).status_code == 200
+
+    from steerserve.ab_report import build_report, read_log, write_report
+
+    rows = {r.id: r for r in read_log(root / "ab.jsonl")}
+    assert rows[rid].score == 1.0  # the last of its five
+    write_report(build_report(list(rows.values())), tmp_path)
+    json.loads((tmp_path / "report.json").read_text(), parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} in report.json: not JSON")
+
+
+def test_d5_subject_header_hashes_as_the_user_field(http: httpx.Client) -> None:
+    """Defect 5: a non-ASCII subject sent as ``x-steerserve-subject`` (UTF-8 bytes) lands in the
+    arm it gets as ``user``; a header that is not UTF-8 is a 400 naming the header."""
+    for subject in ("ユーザー", "Zoë", "josé@example.com"):
+        want = Experiment(NAME, 0.5).assign(subject)
+        as_user = _answer(http, subject)["steering"]["experiment"]
+        body = chat_body("Bonjour, ça va ?", max_tokens=1)
+        r = http.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={"x-steerserve-subject": subject.encode()},
+        )
+        assert r.status_code == 200, r.text
+        as_header = r.json()["steering"]["experiment"]
+        assert as_user == as_header == want.echo(), (subject, as_user, as_header)
+    r = http.post(
+        "/v1/chat/completions",
+        json=chat_body("hi", max_tokens=1),
+        headers={"x-steerserve-subject": b"\xff\xfe"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-steerserve-subject", r.text
+
+
+def test_d6_feedback_whose_log_write_fails_is_503(server: Server, http: httpx.Client) -> None:
+    """Defect 6: the decision log cannot be written (a full disk): the score is lost, so the
+    answer is a 503 saying so, not a 200; once the log writes again, the same score is taken."""
+    rid = _answer(http, "full-disk")["id"]
+    state = server.app.state.steer
+    kept = state.decisions.log
+    state.decisions.log = DecisionLog("/dev/full", on_failure=state.metrics.ab_log_failures.inc)
+    try:
+        r = http.post("/v1/steering/feedback", json={"id": rid, "score": 1})
+    finally:
+        state.decisions.log.close()
+        state.decisions.log = kept
+    assert r.status_code == 503 and r.json()["error"]["code"] == "decision_log_unwritable", r.text
+    assert http.post("/v1/steering/feedback", json={"id": rid, "score": 1}).status_code == 200
 
 
 # --- the bounded fuzz test: 0 x 5xx ---------------------------------------------------------------

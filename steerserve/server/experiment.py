@@ -32,6 +32,38 @@ UNENROLLED = "unenrolled"
 SUBJECT_HEADER = "x-steerserve-subject"
 #: Completion ids remembered for feedback (oldest forgotten first).
 MAX_REMEMBERED = 200_000
+#: The range of a feedback score (1 thumbs up, 0 or -1 down, a rating scaled into it): bounded,
+#: so one client cannot swamp an arm's mean (or overflow it to infinity in the report).
+SCORE_MIN, SCORE_MAX = -1.0, 1.0
+#: Scores accepted per answer: the last one counts (a changed vote); past this, 429.
+MAX_FEEDBACK_PER_ID = 5
+
+
+class FeedbackLimit(Exception):
+    """An answer's feedback was given :data:`MAX_FEEDBACK_PER_ID` times already."""
+
+
+class LogUnwritable(Exception):
+    """The decision log refused a line (full disk): what it carried is lost."""
+
+
+def check_score(score: Any) -> float:
+    """A feedback score as a float in [SCORE_MIN, SCORE_MAX]; ValueError otherwise."""
+    if isinstance(score, bool) or not isinstance(score, int | float):
+        raise ValueError(f"score: must be a number, got {type(score).__name__}")
+    if not (math.isfinite(score) and SCORE_MIN <= score <= SCORE_MAX):
+        raise ValueError(f"score: must be a number in [{SCORE_MIN:g}, {SCORE_MAX:g}]")
+    return float(score)
+
+
+def header_subject(raw: str) -> str:
+    """A subject sent in :data:`SUBJECT_HEADER`: HTTP hands headers over as latin-1 text, while
+    ``user`` in a JSON body is Unicode; re-read as UTF-8, the same person hashes to the same arm
+    either way. ValueError when the bytes are not UTF-8."""
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise ValueError(f"{SUBJECT_HEADER}: must be UTF-8 text") from None
 
 
 @dataclass(frozen=True)
@@ -137,20 +169,25 @@ class DecisionLog:
                     pass
                 self._file = None
 
-    def known_ids(self) -> list[tuple[str, dict[str, Any]]]:
-        """(id, decision) of the decisions already in the log (for feedback after a restart)."""
+    def known_ids(self) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
+        """(id, decision) of the decisions already in the log, and how many scores each id got
+        (for feedback after a restart)."""
         if self.path is None or not self.path.is_file():
-            return []
-        out = []
+            return [], {}
+        out, scored = [], {}
         with open(self.path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue  # a torn last line after a crash
-                if isinstance(rec, dict) and rec.get("type") == "decision" and "id" in rec:
+                if not isinstance(rec, dict) or "id" not in rec:
+                    continue
+                if rec.get("type") == "decision":
                     out.append((str(rec["id"]), rec))
-        return out[-MAX_REMEMBERED:]
+                elif rec.get("type") == "feedback":
+                    scored[str(rec["id"])] = scored.get(str(rec["id"]), 0) + 1
+        return out[-MAX_REMEMBERED:], scored
 
 
 class Decisions:
@@ -159,15 +196,19 @@ class Decisions:
     def __init__(self, log: DecisionLog) -> None:
         self.log = log
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._scored: dict[str, int] = {}  # scores given per remembered id
         self._lock = threading.Lock()
-        for rid, rec in log.known_ids():
+        known, scored = log.known_ids()
+        for rid, rec in known:
             self._remember(rid, rec)
+        self._scored = {rid: n for rid, n in scored.items() if rid in self._seen}
 
     def _remember(self, rid: str, rec: dict[str, Any]) -> None:
         with self._lock:
             self._seen[rid] = {k: rec.get(k) for k in ("experiment", "arm", "language")}
             while len(self._seen) > MAX_REMEMBERED:
-                self._seen.popitem(last=False)
+                old, _ = self._seen.popitem(last=False)
+                self._scored.pop(old, None)
 
     def record(self, rid: str, decision: dict[str, Any]) -> bool:
         """Remember and log one answered request; False if the log write failed."""
@@ -183,15 +224,20 @@ class Decisions:
             return self._seen.get(rid)
 
     def feedback(self, rid: str, score: float) -> dict[str, Any]:
-        """Append feedback for a known id (``KeyError``: unknown; ``ValueError``: bad score)."""
-        if (
-            isinstance(score, bool)
-            or not isinstance(score, int | float)
-            or not math.isfinite(score)
-        ):
-            raise ValueError(f"score: must be a finite number, got {score!r}")
+        """Append feedback for a known id; the last of an id's scores counts. ``KeyError``:
+        unknown id; ``ValueError``: bad score; :class:`FeedbackLimit`: too many for this id;
+        :class:`LogUnwritable`: the line was not written (the score is lost, so say so)."""
+        score = check_score(score)
         known = self.get(rid)
         if known is None:
             raise KeyError(rid)
-        self.log.write({"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score})
+        with self._lock:
+            if self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
+                raise FeedbackLimit(rid)
+            self._scored[rid] = self._scored.get(rid, 0) + 1
+        line = {"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score}
+        if not self.log.write(line):
+            with self._lock:
+                self._scored[rid] -= 1
+            raise LogUnwritable(str(self.log.path))
         return known

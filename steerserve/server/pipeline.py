@@ -27,7 +27,7 @@ from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
 from steerserve.server.backend import copies, engine_error
 from steerserve.server.endpoints import ArmOutput, Endpoint, Prompts, sse
-from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED
+from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
 from steerserve.server.policy import OFF
 from steerserve.server.protocol import (
     ApiError,
@@ -330,7 +330,12 @@ def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> Steer
     if exp is None or ep.ab or req.steering is not None:
         return req.steering
     call: Call = request.state.call
-    subject = req.user or request.headers.get(SUBJECT_HEADER)
+    subject = req.user
+    if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
+        try:
+            subject = header_subject(raw)
+        except ValueError as e:
+            raise ApiError(str(e), param=SUBJECT_HEADER) from None
     if not subject:
         call.experiment = Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
         return None

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from steerserve.server.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
 
 
@@ -191,7 +192,12 @@ class CompletionRequest(_Sampling):
 
 class FeedbackRequest(_Request):
     id: str = Field(min_length=1, max_length=200, description="the answer's completion id")
-    score: float = Field(allow_inf_nan=False, description="the outcome, e.g. 1 thumbs up, 0 down")
+    score: float = Field(
+        allow_inf_nan=False,
+        ge=SCORE_MIN,
+        le=SCORE_MAX,
+        description="the outcome in [-1, 1], e.g. 1 thumbs up, 0 down; an answer's last counts",
+    )
 
 
 class FeedbackAnswer(BaseModel):

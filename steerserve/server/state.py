@@ -18,7 +18,15 @@ from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
-from steerserve.server.experiment import STEERED, DecisionLog, Decisions, Experiment
+from steerserve.server.experiment import (
+    MAX_FEEDBACK_PER_ID,
+    STEERED,
+    DecisionLog,
+    Decisions,
+    Experiment,
+    FeedbackLimit,
+    LogUnwritable,
+)
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
@@ -194,6 +202,22 @@ class ServerState:
             ) from None
         except ValueError as e:
             raise ApiError(str(e), param="score") from None
+        except FeedbackLimit:
+            raise ApiError(
+                f"id: {rid!r} was scored {MAX_FEEDBACK_PER_ID} times already (the last score "
+                "counts)",
+                status=429,
+                param="id",
+                type="rate_limit_error",
+                code="feedback_limit",
+            ) from None
+        except LogUnwritable:
+            raise ApiError(
+                "the decision log could not be written: the score was not recorded",
+                status=503,
+                type="service_unavailable",
+                code="decision_log_unwritable",
+            ) from None
         return {"object": "steering.feedback", "id": rid, "score": score, **known}
 
     # --- the vectors endpoints -------------------------------------------------------------------
