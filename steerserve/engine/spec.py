@@ -2,6 +2,21 @@
 
 Shared by the front end (validation, encoding, salting) and the worker (decoding, row planning),
 so both sides agree on what an entry means.
+
+The steering vocabulary, in one place: the engine knows one operation, *add* ``scale * v`` to
+the output of block ``layer`` on the tokens ``positions`` selects (:data:`POSITIONS`). The
+research runner speaks a superset (``research/runner.py``, ``Edit``): the same addition
+(``entry_edits`` turns entries into edits with these position semantics) plus ``replace``
+(h <- v) and ``interp`` (h <- (1 - a) h + a v) at the last prompt token, which only the lab uses.
+Adding an operation to the engine (or promoting a research edit) touches, in order:
+
+1. here: a field of :class:`SteeringEntry`, its check in :func:`entry`/:func:`validate`, its
+   wire form in :func:`encode`/:func:`decode` and :func:`cache_salt` (a new meaning must not
+   share a prefix cache with the old);
+2. the worker: ``engine/buffers.py`` (rows and pools per layer) and the op, ``engine/op.py``;
+3. the oracle: ``research/reference.py`` (plain forward hooks), which tests/test_engine_*.py
+   hold the engine to, and ``research/runner.py``'s ``Edit``/``entry_edits`` for the lab;
+4. the request: ``server/steering.py`` (the typed ``steering`` value) and ``server/policy.py``.
 """
 
 from __future__ import annotations
