@@ -142,6 +142,7 @@ def build_report(
             a["replies"] = len(cuts)
             a["cut"] = sum(cuts)
             a["cut_share"] = cut_share(cuts)
+            a["loops"] = sum(x.loop for x in r.replies)
         if base is not None and arm != base_arm and ne:
             a[f"vs_{base_arm}"] = paired_bootstrap(ne, non_english(by_lang(records, base.correct)))
         arms[arm] = a
@@ -237,7 +238,10 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         cut = ", ".join(f"{a} {arms[a]['cut']}/{arms[a]['replies']}" for a in names)
         lines.append(
             f"- **replies cut by the {report.get('max_tokens')}-token budget** before their "
-            f"answer ended: {cut} (every reply is in `replies.jsonl`)"
+            f"answer ended: {cut}; stopped by it while repeating themselves (loops, wrong "
+            f"whatever the budget, not cuts): "
+            + ", ".join(f"{a} {arms[a].get('loops', 0)}" for a in names)
+            + " (every reply is in `replies.jsonl`)"
         )
     if plan := report.get("plan"):
         lines += ["", f"## Plan, declared before the run (`{plan['file']}`)", "", plan["text"]]

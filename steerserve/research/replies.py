@@ -62,9 +62,29 @@ def span_ended(text: str, chat: bool) -> bool:
     return chat and ends_sentence(first_line(text))
 
 
+def loops(text: str, longest: int = 80, least: int = 24) -> bool:
+    """The reply ends in a repetition loop: its end is periodic (some unit of up to ``longest``
+    characters, "リアリアリア…", "の混合で、ユーラ…") over at least two whole units and ``least``
+    characters. More tokens would go on repeating, never end the answer."""
+    t = text.rstrip()
+    for period in range(1, min(longest, len(t) // 2) + 1):
+        run = period
+        while run < len(t) and t[-1 - run] == t[-1 - run + period]:
+            run += 1
+        if run >= max(2 * period, least):
+            return True
+    return False
+
+
 def is_cut(gen: Generation, chat: bool) -> bool:
-    """The budget stopped the reply before its scored span ended."""
-    return gen.hit_budget and not span_ended(gen.text, chat)
+    """The budget stopped the reply before its scored span ended, and not in a loop (a loop is
+    a wrong answer whatever the budget: counted apart, see :func:`is_loop`)."""
+    return gen.hit_budget and not span_ended(gen.text, chat) and not loops(gen.text)
+
+
+def is_loop(gen: Generation, chat: bool) -> bool:
+    """The budget stopped a reply that was repeating itself before its scored span ended."""
+    return gen.hit_budget and not span_ended(gen.text, chat) and loops(gen.text)
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,7 @@ class Reply:
     script: str  # query | latin | han | other
     tokens: int
     cut: bool
+    loop: bool = False  # stopped by the budget while repeating itself (not a cut)
 
 
 def why(rec: Mapping[str, Any], s: Score, span: str) -> str:
@@ -101,12 +122,16 @@ def judge(rec: Mapping[str, Any], arm: str, gen: Generation) -> Reply:
     """Score ``gen`` as the reply to ``rec`` under ``arm`` and keep everything about it."""
     chat = "messages" in rec
     s = score_record(rec, gen.text)
-    cut = is_cut(gen, chat)
+    cut, loop = is_cut(gen, chat), is_loop(gen, chat)
     reason = why(rec, s, answer_span(gen.text, chat))
     if cut:
         reason += f"; cut by the budget after {gen.tokens} tokens"
+    if loop:
+        reason += f"; repeating itself when the budget stopped it after {gen.tokens} tokens"
     verdict = "correct" if s.correct else "wrong"
-    return Reply(rec["id"], rec["lang"], arm, gen.text, verdict, reason, s.script, gen.tokens, cut)
+    return Reply(
+        rec["id"], rec["lang"], arm, gen.text, verdict, reason, s.script, gen.tokens, cut, loop
+    )
 
 
 class BudgetError(RuntimeError):

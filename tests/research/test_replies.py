@@ -47,3 +47,16 @@ def test_judge_keeps_the_reason_and_round_trips(tmp_path: Path) -> None:
     assert cut.cut and cut.why.endswith("cut by the budget after 4 tokens")
     path = rp.write_replies(tmp_path / "r" / "replies.jsonl", [ok, en, cut])
     assert rp.read_replies(path) == [ok, en, cut]
+
+
+def test_a_loop_stopped_by_the_budget_is_not_a_cut() -> None:
+    loop = "라이베리아의 통화는 리베리아" + "리아" * 30
+    g = rp.Generation(loop, tokens=64, hit_budget=True)
+    assert rp.loops(loop) and rp.is_loop(g, chat=True) and not rp.is_cut(g, chat=True)
+    # a longer unit, stopped inside its third repetition
+    unit = "ユーラ（ユーラ）とユーラ（ユーラ）の混合で、"
+    assert rp.loops("キルギスは" + unit * 2 + unit[:17])
+    assert not rp.loops("ロシアの首都はモスクワで、人口は千二百万人を超える大都市です")
+    assert not rp.loops("ababababab")  # too short to call
+    r = rp.judge(JA, "both", g)
+    assert r.loop and not r.cut and "repeating itself" in r.why
