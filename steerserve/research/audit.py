@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research.facts import SPLITS, eval_records
-from steerserve.research.replies import Reply, read_replies
+from steerserve.research.replies import Generation, Reply, judge, read_replies
 from steerserve.research.scorer import question_of
 
 
@@ -51,10 +51,15 @@ def _rate(k: int, n: int) -> dict[str, Any]:
 
 
 def compare(judged: Sequence[Mapping[str, Any]], replies: Sequence[Reply]) -> dict[str, Any]:
-    """Agreement of the scorer with the readers: false positives (scored correct, read wrong)
-    among replies read wrong, false negatives among replies read correct, script agreement,
-    and every disagreement with both verdicts, per language group and overall."""
-    by_key = {f"{r.arm}|{r.id}": r for r in replies}
+    """Agreement of today's scorer with the readers: false positives (scored correct, read
+    wrong) among replies read wrong, false negatives among replies read correct, script
+    agreement, and every disagreement with both verdicts, per language group and overall. Each
+    kept reply is judged again by the current scorer (a fixed scorer re-audits old replies)."""
+    recs = chat_records()
+    by_key = {
+        f"{r.arm}|{r.id}": judge(recs[r.id], r.arm, Generation(r.text, r.tokens, r.cut or r.loop))
+        for r in replies
+    }
     groups: dict[str, list[tuple[Mapping[str, Any], Reply]]] = {"all": []}
     for j in judged:
         r = by_key[j["key"]]
