@@ -130,8 +130,9 @@ RULES: dict[str, str] = {
     "has Han characters and no kana or Hangul, or (ko) adds Han characters and no kana to the "
     "question",
     "script": "the script the answer is written in: latin (the English rule), han (the Chinese "
-    "rule), other (wrong, and the reply adds kana to a non-Japanese or Hangul to a non-Korean "
-    "question), else query",
+    "rule), other (wrong, and most letters the reply adds are in a script that is neither the "
+    "query language's, Latin nor Han: kana in a Korean reply, Cyrillic in a Japanese one), else "
+    'query; a parenthesised gloss ("インドポンド（INR）") is left out when letters stand outside it',
 }
 
 
@@ -167,7 +168,7 @@ def score(
     hit = contains if chat else matches
     ok = hit(pred, answers, lang)
     in_en = hit(pred, answers_en)
-    added = "".join(c for c in pred if c.isalpha() and c not in question)
+    added = _added_letters(pred, question)
     en = not ok and (in_en or (chat and _latin_reply(added, answers)))
     kana = any(map(_kana, added))
     zh = (
@@ -179,9 +180,38 @@ def score(
             or (chat and lang == "ko" and any(map(_han, added)) and not kana)
         )
     )
-    foreign = (lang != "ja" and kana) or (lang != "ko" and any(map(_hangul, added)))
-    other = chat and not (ok or en or zh) and foreign
+    other = chat and not (ok or en or zh) and _foreign(added, lang)
     return Score(ok, bool(en), ok or in_en, bool(zh), bool(other))
+
+
+_GLOSS = re.compile(r"[(（][^)）]*[)）]")
+
+
+def _added_letters(pred: str, question: str) -> str:
+    """The letters a reply adds to the question, leaving out a parenthesised gloss when
+    something is outside it ("インドポンド（INR）": the answer is the katakana, not INR)."""
+    bare = _GLOSS.sub("", pred)
+    span = bare if any(c.isalpha() for c in bare) else pred
+    return "".join(c for c in span if c.isalpha() and c not in question)
+
+
+#: Each query language's own scripts (unicodedata name prefixes); Latin and Han are classed
+#: apart (the English and Chinese rules).
+_OWN_SCRIPTS: dict[str, tuple[str, ...]] = {
+    "ja": ("HIRAGANA", "KATAKANA", "CJK"), "ko": ("HANGUL",), "ru": ("CYRILLIC",),
+    "ar": ("ARABIC",), "zh": ("CJK",),
+}  # fmt: skip
+
+
+def _foreign(added: str, lang: str | None) -> bool:
+    """Most added letters are in a script that is neither the query language's own, nor Latin,
+    nor Han (Japanese kana in a Korean reply, Cyrillic in a Japanese one)."""
+    own = _OWN_SCRIPTS.get(lang or "", ("LATIN",))
+    letters = [unicodedata.name(c, "") for c in added]
+    if not letters:
+        return False
+    alien = [n for n in letters if not n.startswith((*own, "LATIN", "CJK"))]
+    return len(alien) / len(letters) > 0.5
 
 
 def _latin_reply(added: str, answers: Sequence[str]) -> bool:

@@ -115,3 +115,16 @@ def test_chat_record_whose_answer_folds_to_empty_is_refused() -> None:
         {"role": "user", "content": "?"}]}  # fmt: skip
     with pytest.raises(ValueError, match=r"record 'x:1:ja': accepted answers \['・'\] are empty"):
         check_record(rec, "d.jsonl:1")
+
+
+def test_script_reads_past_a_gloss_and_knows_other_scripts() -> None:
+    from steerserve.research import scorer as sc
+
+    kw = {"chat": True, "lang": "ja", "question": "インドの通貨は何ですか？"}
+    s = sc.score("インドの通貨はインドポンド（INR）です。", ["ルピー"], ["Rupee"], **kw)
+    assert s.script == "query"  # a wrong katakana name with a Latin gloss
+    assert sc.score("インドの通貨はINRです。", ["ルピー"], ["Rupee"], **kw).script == "latin"
+    ko = {"chat": True, "lang": "ko", "question": "키르기스스탄의 수도는 어디인가요?"}
+    assert sc.score("키르기스스탄의 수도는 Таллин입니다.", ["비슈케크"], **ko).script == "other"
+    ru = {"chat": True, "lang": "ru", "question": "Какая столица?"}
+    assert sc.score("Столица — Москва.", ["Москва"], **ru).script == "query"
