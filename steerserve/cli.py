@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.steering import DEFAULT_MODE, MODES
-
-if TYPE_CHECKING:
-    from steerserve.research.calibrate import Grid
-    from steerserve.research.extract import Candidates
 
 app = typer.Typer(
     help="steerserve: multilingual factual-recall steering for vLLM.", no_args_is_help=True
@@ -594,20 +590,16 @@ def calibrate(
 
     With --objective logp (the default) the winner is chosen on one half of the calibration
     facts and re-checked on the other; the artifact records whether it confirmed."""
-    import time
-
     from steerserve.engine.cpu import cores_of
-    from steerserve.research import calibrate as cal
-    from steerserve.research.arms import UNSTEERED
-    from steerserve.research.extract import Candidates
-    from steerserve.research.records import dataset_form, default_form, read_dataset
+    from steerserve.research import calibrate_run as run
+    from steerserve.research.calibrate import OBJECTIVES
 
-    if objective not in cal.OBJECTIVES:  # before anything slow is loaded
+    if objective not in OBJECTIVES:  # before anything slow is loaded
         raise typer.BadParameter(
-            f"{objective!r}; known: {', '.join(cal.OBJECTIVES)}", param_hint="--objective"
+            f"{objective!r}; known: {', '.join(OBJECTIVES)}", param_hint="--objective"
         )
-    logp = objective == "logp"
-    if logp:
+    torch_dtype, threads = dtype, 0
+    if objective == "logp":
         torch_dtype = _torch_dtype(dtype, device)
         try:
             threads = len(cores_of(cpu_threads)) if cpu_threads else 0
@@ -615,22 +607,7 @@ def calibrate(
             raise typer.BadParameter(
                 f"{cpu_threads!r}: not a core list", param_hint="--cpu-threads"
             ) from None
-    t0 = time.perf_counter()
-    model_dir = _resolve_model(model)
-    cands = Candidates.load(candidates)
-    n_layers = int(cands.meta["num_layers"])
-    try:
-        records = read_dataset(dataset) if dataset is not None else None
-        if records is not None:
-            form = dataset_form(records)
-        else:  # auto: the form the candidates were extracted in
-            form = default_form(
-                model_dir, cands.meta.get("form", "completion") if form == "auto" else form
-            )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
-    max_tokens = _max_tokens(max_tokens, form)
-    kw: dict = dict(
+    grid: dict[str, Any] = dict(
         recall_variants=_strs(variants),
         recall_scales=_floats(recall_scales),
         translation_scales=_floats(translation_scales),
@@ -642,148 +619,19 @@ def calibrate(
         max_en_logp_drop=max_en_logp_drop,
     )
     if recall_layers:
-        kw["recall_layers"] = _ints(recall_layers)
+        grid["recall_layers"] = _ints(recall_layers)
     if translation_layers:
-        kw["translation_layers"] = _ints(translation_layers)
+        grid["translation_layers"] = _ints(translation_layers)
+    cfg = run.CalibrateConfig(
+        candidates, out, Path(), objective, per_lang, en_items, shots, max_tokens, form, dataset,
+        grid, torch_dtype, device, batch_size, kv_cache_bytes, max_num_seqs, cpu_threads,
+        threads, holdout, overwrite, summary_dir,
+    )  # fmt: skip
+    cfg.model_dir = _resolve_model(model)
     try:
-        grid = cal.Grid.for_layers(n_layers, **kw)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--positions") from None
-    check = logp or bool(holdout)  # logp: a confirmation half, always
-    if records is not None:
-        records, held = cal.split_records(records, check)
-    else:
-        part = (0, 2) if check else (0, 1)
-        records = cal.calib_records(per_lang, en_items, shots, part=part, form=form)
-        n_held = (holdout, holdout) if holdout else (per_lang, en_items)
-        held = cal.calib_records(*n_held, shots, part=(1, 2), form=form) if check else []
-    if logp and not any(r["lang"] != "en" for r in held):
-        raise typer.BadParameter(
-            "the held-out half has no non-English record (give at least 2 per language)",
-            param_hint="--dataset",
-        )
-    if logp:
-        result, t_load = _calibrate_logp(
-            cands, records, held, grid, model_dir, device, torch_dtype, batch_size, threads
-        )
-    else:
-        from steerserve.research.evaluate import open_engine
-
-        eng = open_engine(
-            model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
-        )
-        t_load = time.perf_counter() - t0
-        try:
-            result = cal.calibrate(eng, cands, records, grid, max_tokens, log=typer.echo)
-            if held:
-                cal.confirm(eng, cands, result, held, max_tokens, log=typer.echo)
-        finally:
-            eng.shutdown()
-    source = str(dataset) if dataset else "calibration split"
-    n_shots = shots if shots is not None else 3 if form == "completion" else 0
-    if logp:
-        result["prompts"] = (
-            f"{source}, {form} form, {n_shots}-shot; teacher-forced log P(gold) and greedy "
-            f"answers in transformers ({device}, {torch_dtype})"
-        )
-        # Which items chose the pair and which checked it: no fact is in both.
-        result["item_ids"] = [r.get("id") for r in records]
-        result["holdout"]["item_ids"] = [r.get("id") for r in held]
-    else:
-        result["prompts"] = f"{source}, {form} form, {n_shots}-shot, greedy, <= {max_tokens} tokens"
-    result["timings_s"] = {
-        "extract": cands.meta.get("total_seconds"),
-        "model_load" if logp else "engine_start": round(t_load, 1),
-        "sweep": result["seconds"],
-        "total_calibrate": round(time.perf_counter() - t0, 1),
-    }
-    name, version = out.parent.name, out.name
-    art = cal.build_artifact(cands, result, model_dir, out, name, version, overwrite=overwrite)
-    cal.write_summary(result, summary_dir)
-    w = result["chosen"]
-    typer.echo(f"wrote {art.path}: chosen {w['recall']} + {w['translation']}")
-    if logp:
-        _echo_logp_verdict(result, grid.max_en_logp_drop)
-        return
-    typer.echo(
-        f"calib non-English {w['non_en']:.3f} ({UNSTEERED} {result[UNSTEERED]['non_en']:.3f})"
-    )
-    if h := result.get("holdout"):
-        typer.echo(f"held-out non-English gain {h['non_en_gain']:+.3f} (confirms: {h['confirms']})")
-
-
-def _calibrate_logp(
-    cands: Candidates,
-    records: list[dict],
-    held: list[dict],
-    grid: Grid,
-    model_dir: Path,
-    device: str,
-    dtype: str,
-    batch_size: int,
-    threads: int,
-) -> tuple[dict[str, Any], float]:
-    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, no engine;
-    a chat record's gold is forced after the model's own restated prefix, where it writes it);
-    the result and the seconds the model took to load (``threads`` 0: torch's own count;
-    restored after, so an in-process caller keeps its setting)."""
-    import time
-
-    import torch
-
-    from steerserve.research import calibrate as cal
-    from steerserve.research.hf import load_model
-    from steerserve.research.prefixes import answer_position_note, at_answer_position
-    from steerserve.research.runner import Runner
-
-    n0 = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        t0 = time.perf_counter()
-        mdl, tok = load_model(model_dir, device=device, dtype=dtype)
-        t_load = time.perf_counter() - t0
-        scorer = Runner(mdl, tok, batch_size)
-        records, held = at_answer_position(scorer, records), at_answer_position(scorer, held)
-        result = cal.calibrate_logp(scorer, cands, records, grid, log=typer.echo)
-        cal.confirm_logp(scorer, cands, result, held, log=typer.echo)
-        result["logp_position"] = answer_position_note(records + held)
-    finally:
-        torch.set_num_threads(n0)
-    return result, t_load
-
-
-def _echo_logp_verdict(result: dict[str, Any], max_en_logp_drop: float) -> None:
-    """The selection and the held-out verdict in words: a pair that did not confirm on facts
-    it was not chosen on is noise until shown otherwise, so say it where nobody can miss it."""
-    from steerserve.research.arms import UNSTEERED
-
-    w, h = result["chosen"], result["holdout"]
-    lo, hi = w["d_logp_ci95"]
-    typer.echo(
-        f"selection half ({result['n_items']} items): non-English Δ log P(gold) "
-        f"{w['d_logp']:+.3f} [{lo:+.3f}, {hi:+.3f}] nats, English Δ log P {w['en_d_logp']:+.3f} "
-        f"(guard -{max_en_logp_drop:g}); non-English accuracy {w['non_en']:.3f} "
-        f"({UNSTEERED} {result[UNSTEERED]['non_en']:.3f})"
-    )
-    if not result["feasible"]:
-        typer.echo("  (no pair kept English log P within its guard on the selection half)")
-    lo, hi = h["d_logp_ci95"]
-    alo, ahi = h["non_en_gain_ci95"]
-    typer.echo(
-        f"held-out half ({h['n_items']} items, other facts): non-English Δ log P(gold) "
-        f"{h['d_logp']:+.3f} [{lo:+.3f}, {hi:+.3f}] nats, Δ accuracy {h['non_en_gain']:+.3f} "
-        f"[{alo:+.3f}, {ahi:+.3f}], English Δ accuracy {h['en_change']:+.3f}, English Δ log P "
-        f"{h['chosen']['en_d_logp']:+.3f} (95 % CIs, paired bootstrap)"
-    )
-    if h["confirms"]:
-        typer.echo("confirmed on the held-out half (holdout.confirms=true in the artifact).")
-    else:
-        typer.echo(
-            "DID NOT CONFIRM on the held-out half (it needs the Δ log P CI above 0, non-English "
-            "accuracy not lower, English within its guards): the selection gain is not shown to "
-            "be real. The artifact records holdout.confirms=false; do not ship it."
-        )
+        run.run(cfg, log=typer.echo)
+    except run.ConfigError as e:
+        raise typer.BadParameter(str(e), param_hint=e.param) from None
 
 
 _ARTIFACT_HELP = (
@@ -1199,7 +1047,9 @@ def analyze(
 
 
 def _builtin(split: str, form: str, shots: int | None, part: str = "0/1") -> str:
-    n = shots if shots is not None else 3 if form == "completion" else 0
+    from steerserve.research.facts import default_shots
+
+    n = default_shots(form, shots)
     sub = "" if part == "0/1" else f", part {part}"
     return f"built-in {split} split{sub}, {form} form, {n}-shot"
 

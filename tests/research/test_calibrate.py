@@ -10,6 +10,7 @@ import pytest
 
 from steerserve.artifacts import load_artifact
 from steerserve.research import calibrate as cal
+from steerserve.research import calibrate_logp as cl
 from steerserve.research.arms import UNSTEERED, arm_names
 from steerserve.research.extract import Candidates, ExtractConfig, extract
 from steerserve.research.hf import load_model
@@ -237,8 +238,8 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
             top_k=1,
             fine_factors=(2.0,),
         )
-        result = cal.calibrate_logp(scorer, cands, records, grid, log=lambda *_: None)
-        cal.confirm_logp(scorer, cands, result, held, log=lambda *_: None)
+        result = cl.calibrate_logp(scorer, cands, records, grid, log=lambda *_: None)
+        cl.confirm_logp(scorer, cands, result, held, log=lambda *_: None)
     finally:
         torch.set_num_threads(n_threads)
     sweep = result["sweep"]
@@ -252,7 +253,7 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
     assert any(abs(r["d_logp"]) > 1e-3 for r in sweep[1:])  # the steering moves log P
     h = result["holdout"]
     assert h["n_items"] == len(held) and h["chosen"]["recall"] == result["chosen"]["recall"]
-    assert h["rule"] == cal.CONFIRM_RULE["completion"]
+    assert h["rule"] == cl.CONFIRM_RULE["completion"]
     assert h["confirms"] == (
         h["d_logp_ci95"][0] > 0
         and h["non_en_gain"] >= 0
@@ -318,10 +319,10 @@ def test_a_chat_recheck_confirms_only_when_accuracy_rises() -> None:
     accuracy to rise; a completion re-check only needs it not to fall."""
     grid = {"max_en_drop": 0.01, "max_en_logp_drop": 0.1}
     ok = dict(d_logp_lo=0.2, en_change=0.0, en_d_logp=0.0, grid=grid)
-    assert cal.holdout_confirms(d_acc=0.0, chat=False, **ok)
-    assert not cal.holdout_confirms(d_acc=0.0, chat=True, **ok)
-    assert cal.holdout_confirms(d_acc=0.02, chat=True, **ok)
-    assert not cal.holdout_confirms(d_acc=-0.01, chat=False, **ok)
-    assert not cal.holdout_confirms(d_acc=0.02, chat=True, **{**ok, "d_logp_lo": -0.01})
-    assert not cal.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_change": -0.05})
-    assert not cal.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_d_logp": -0.2})
+    assert cl.holdout_confirms(d_acc=0.0, chat=False, **ok)
+    assert not cl.holdout_confirms(d_acc=0.0, chat=True, **ok)
+    assert cl.holdout_confirms(d_acc=0.02, chat=True, **ok)
+    assert not cl.holdout_confirms(d_acc=-0.01, chat=False, **ok)
+    assert not cl.holdout_confirms(d_acc=0.02, chat=True, **{**ok, "d_logp_lo": -0.01})
+    assert not cl.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_change": -0.05})
+    assert not cl.holdout_confirms(d_acc=0.02, chat=False, **{**ok, "en_d_logp": -0.2})

@@ -184,6 +184,12 @@ def _round_robin(facts: list[Fact], part: tuple[int, int] = (0, 1)) -> list[Fact
     return out
 
 
+def default_shots(form: str, shots: int | None = None) -> int:
+    """``shots``, else the form's default: 3 demonstrations for a completion (a base model needs
+    the pattern), none for a chat (an instruction-tuned model is asked directly)."""
+    return (3 if form == "completion" else 0) if shots is None else shots
+
+
 def eval_records(
     split: str = "test",
     shots: int | None = None,
@@ -206,7 +212,7 @@ def eval_records(
     """
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; known: {', '.join(FORMS)}")
-    shots = (3 if form == "completion" else 0) if shots is None else shots
+    shots = default_shots(form, shots)
     facts = load_facts(split, langs, relations)
     zh = {f.fact_id: list(f.answers) for f in load_facts(split, ["zh"], relations)}
     out: list[dict] = []
