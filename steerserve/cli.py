@@ -885,6 +885,23 @@ def headroom(
     typer.echo(f"wrote {out}/report.json, report.md, replies.jsonl")
 
 
+@app.command()
+def rescore(
+    out: Path = typer.Argument(..., help="A finished eval or headroom folder (replies.jsonl)."),
+    dataset: Path | None = typer.Option(
+        None, help="The eval's --dataset, when it ran on a file (default: the built-in facts)."
+    ),
+) -> None:
+    """Score a finished run again from its kept replies with the current scorer (no model):
+    report.json/md and the replies' verdicts are rewritten and marked rescored."""
+    from steerserve.research import rescore as rs
+
+    report = rs.run(out, dataset)
+    for arm, a in report["arms"].items():
+        typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
+    typer.echo(f"rescored {out}")
+
+
 @app.command("audit-sample")
 def audit_sample(
     replies: Path = typer.Argument(..., help="A run's replies.jsonl."),

@@ -163,6 +163,12 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
         "n_items": len(first),
         "max_tokens": cfg.max_tokens,
         "conditions": list(recs),
+        "config": {
+            "split": cfg.split,
+            "part": list(cfg.part),
+            "langs": cfg.langs,
+            "limit_per_lang": cfg.limit_per_lang,
+        },  # fmt: skip
         "timings_s": {**times, "total": round(time.perf_counter() - t0, 1)},
     }
     report = ev.build_report(first, results, meta, base_arm=BASE)

@@ -56,3 +56,33 @@ def test_audit_commands(tmp_path: Path) -> None:
                                    str(tmp_path / "a.json")])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "all: n=4 false positives 2/4, false negatives 0/0" in res.output
+
+
+def test_rescore_rebuilds_a_report_from_kept_replies(tmp_path: Path) -> None:
+    """A report rebuilt from replies.jsonl by today's scorer, with no model."""
+    import json
+
+    from steerserve.research import evaluate as ev
+    from steerserve.research import rescore as rs
+    from steerserve.research.scoring import score_all
+
+    reps = _replies()
+    recs = [audit.chat_records()[i] for i in ("capital_of:FR:ja", "capital_of:FR:fr")]
+    results = {}
+    for arm in ("unsteered", "both"):
+        mine = [r for r in reps if r.arm == arm]
+        res = score_all(recs, [r.text for r in mine])
+        res.replies = mine
+        results[arm] = res
+    report = ev.build_report(recs, results, {"model": "m", "n_items": 2})
+    ev.write_report(report, tmp_path, results)
+    # a reply's stored verdict is stale: the rescore recomputes it from the text
+    lines = (tmp_path / "replies.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    lines[0] = json.dumps({**first, "verdict": "wrong", "why": "stale"}, ensure_ascii=False)
+    (tmp_path / "replies.jsonl").write_text("\n".join(lines) + "\n")
+    new = rs.run(tmp_path)
+    assert new["rescored"] and new["arms"]["unsteered"]["per_language"]["ja"]["accuracy"] == 1.0
+    assert json.loads((tmp_path / "replies.jsonl").read_text().splitlines()[0])["verdict"] == (
+        "correct"
+    )

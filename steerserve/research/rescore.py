@@ -1,0 +1,88 @@
+"""A finished run scored again from its kept replies, by today's scorer, without a model.
+
+Every reply of ``eval`` and ``headroom`` is kept in ``replies.jsonl``; when the scorer is fixed
+(an audit found a rule wrong), the run's report is rebuilt from those texts instead of running
+the model again, and says so (``rescored``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from steerserve.research import evaluate as ev
+from steerserve.research import report as R
+from steerserve.research.replies import Generation, Reply, judge, read_replies
+from steerserve.research.scoring import ArmResult, score_all
+
+Records = Callable[[str], Mapping[str, Mapping[str, Any]]]  # arm -> {item id: record}
+
+
+def results_of(
+    records: Records, replies: Sequence[Reply]
+) -> tuple[list[dict], dict[str, ArmResult]]:
+    """The first arm's records (in reply order) and each arm's results, re-judged against the
+    records that arm asked (``records(arm)``; a headroom condition asks its own chat)."""
+    arms: dict[str, list[Reply]] = {}
+    for r in replies:
+        arms.setdefault(r.arm, []).append(r)
+    first = next(iter(arms))
+    ids = [r.id for r in arms[first]]
+    out: dict[str, ArmResult] = {}
+    for arm, rs in arms.items():
+        if [r.id for r in rs] != ids:
+            raise ValueError(f"arm {arm!r} does not hold the same items in the same order")
+        mine = records(arm)
+        recs = [dict(mine[i]) for i in ids]
+        gens = [Generation(r.text, r.tokens, r.cut or r.loop) for r in rs]
+        res = score_all(recs, [g.text for g in gens])
+        res.replies = [judge(rec, arm, g) for rec, g in zip(recs, gens, strict=True)]
+        out[arm] = res
+    base = records(first)
+    return [dict(base[i]) for i in ids], out
+
+
+def rescore(out_dir: str | Path, records: Records) -> dict[str, Any]:
+    """Rebuild ``out_dir``'s report (and its replies' verdicts) from ``replies.jsonl``;
+    ``records(arm)`` maps item ids to the records that arm asked."""
+    out = Path(out_dir)
+    old = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    recs, results = results_of(records, read_replies(out / "replies.jsonl"))
+    keep = ("arms", "base_arm", "acceptance", "scoring", "conversion", "native5_vs_english5")
+    meta = {k: v for k, v in old.items() if k not in keep}
+    meta["rescored"] = "verdicts recomputed from replies.jsonl by the current scorer"
+    report = ev.build_report(recs, results, meta, base_arm=old.get("base_arm", "unsteered"))
+    ev.write_replies(out / "replies.jsonl", ev.all_replies(results))
+    markdown = ev.report_markdown(report)
+    if "conversion" in old:
+        from steerserve.research.chat_headroom import conversion, conversion_md
+
+        report["conversion"] = conversion(recs, results)
+        markdown += "\n".join(conversion_md(report["conversion"])) + "\n"
+    R.write(out, report, markdown, {"accuracy.png": lambda p: ev.plot(report, p)})
+    return report
+
+
+def run(out: Path, dataset: Path | None = None) -> dict[str, Any]:
+    """:func:`rescore` with the records the run asked: ``dataset``'s, a headroom run's
+    conditions rebuilt from its recorded config, else the built-in facts' chat records."""
+    from steerserve.research.audit import chat_records
+    from steerserve.research.records import read_dataset
+
+    old = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    if dataset is not None:
+        recs = {r["id"]: r for r in read_dataset(dataset)}
+        return rescore(out, lambda arm: recs)
+    if "conditions" in old:
+        from steerserve.research import chat_headroom as hr
+
+        c = old["config"]
+        langs = tuple(c["langs"]) if c["langs"] else None
+        cfg = hr.Config(Path(old["model"]), out, c["split"], tuple(c["part"]), langs,
+                        c["limit_per_lang"])  # fmt: skip
+        by_cond = {k: {r["id"]: r for r in v} for k, v in hr.condition_records(cfg).items()}
+        return rescore(out, by_cond.__getitem__)
+    built_in = chat_records()
+    return rescore(out, lambda arm: built_in)
