@@ -331,3 +331,53 @@ def test_dead_engine_fails_health_and_exits_non_zero(
         assert srv.proc is not None
         assert srv.proc.wait(60) == 1, srv.tail()
         assert srv.survivors(30) == [], srv.tail()
+
+
+def _stream_lines(c: httpx.Client, max_tokens: int) -> tuple[int, list[str]]:
+    """A streamed chat answer's status and SSE lines, however it ends."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        return r.status_code, [line for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("stop", ["deadline", "second signal"])
+def test_d2_drain_deadline_or_second_signal_answers_every_request(
+    tiny_llama: Path, tmp_path: Path, stop: str
+) -> None:
+    """Issue 21, defect 2: 8 requests in flight (4 streamed, 4 collected) when SIGTERM reaches
+    the group, and they cannot finish before --drain-seconds (1 s), or a second SIGTERM comes:
+    each collected request is a 503 ``service_unavailable`` in OpenAI's format, each stream ends
+    with an error event and [DONE]; the exit status is 1, the log says 8 were dropped, no
+    traceback, no process left."""
+    drain = "1" if stop == "deadline" else "300"
+    with serving(tiny_llama, tmp_path, STEERSERVE_DRAIN_SECONDS=drain) as srv:
+        c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=120)
+        with c, ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(_stream_lines, c, 1000) for _ in range(4)]
+            collected = [pool.submit(_collected, c, 1000) for _ in range(4)]
+            _in_flight(c, 8)
+            assert srv.proc is not None
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            if stop == "second signal":
+                time.sleep(0.5)
+                os.kill(srv.proc.pid, signal.SIGTERM)
+            for f in collected:
+                r = f.result(120)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["type"] == "service_unavailable", r.text
+            for f in streams:
+                status, lines = f.result(120)
+                assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+                err = json.loads(lines[-2][6:])["error"]
+                assert err["type"] == "service_unavailable", lines[-2]
+        assert srv.proc.wait(60) == 1, srv.tail()
+        log = srv.tail(100_000)
+        assert "8 request(s) dropped" in log, log[-3000:]
+        assert "Traceback" not in log and "already running" not in log, log[-3000:]
+        assert srv.survivors(30) == [], log[-3000:]

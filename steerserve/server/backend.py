@@ -29,6 +29,7 @@ from steerserve.engine.api import (
     with_steering,
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
+from steerserve.server.drain import GRACE
 from steerserve.server.protocol import ApiError
 from steerserve.server.tokens import Tokens
 
@@ -70,8 +71,9 @@ class Backend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kw = engine_kwargs(self.cfg, self.shape)
-        # EngineCore drains (instead of aborting) on a SIGINT/SIGTERM sent to the process group.
-        kw.setdefault("shutdown_timeout", self.drain_seconds)
+        # EngineCore drains (instead of aborting) on a SIGINT/SIGTERM sent to the process group,
+        # a little longer than the front end, which answers what it drops at its deadline.
+        kw.setdefault("shutdown_timeout", self.drain_seconds + GRACE)
         return [AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))]
 
     async def start(self) -> None:

@@ -26,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
 from steerserve.server.backend import copies, engine_error
+from steerserve.server.drain import Drain
 from steerserve.server.endpoints import ArmOutput, Endpoint, Prompts, sse
 from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
 from steerserve.server.policy import OFF
@@ -214,7 +215,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         return await stream(state, call, request, labels, events, units, prompts, headers)
     every = [g for per_arm in gens for g in per_arm]
     async with Flight(state, call, request, every) as flight:
-        outs = await until_disconnect(request, collect_all(gens))
+        outs = await until_disconnect(request, collect_all(gens), state.drain)
         for a, per_arm in enumerate(outs):
             for p, out in zip(per_prompt, per_arm, strict=True):
                 u = _usage([out])
@@ -233,7 +234,9 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
 
 
 def check(state: ServerState, model: str) -> None:
-    """The served model, and an engine ready to take it."""
+    """The served model, and an engine ready to take it (not one past its drain deadline)."""
+    if state.drain.dropping:
+        raise state.drain.error()
     if model != state.model_name:
         raise ApiError(
             f"The model {model!r} does not exist; this server serves {state.model_name!r}",
@@ -406,9 +409,11 @@ async def client_gone(request: Request) -> bool:
     return await request.is_disconnected()
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+async def until_disconnect(request: Request, work: Awaitable[T], drain: Drain) -> T:
     """Run ``work``; cancel it (aborting generation) and raise :class:`ClientGone` if the client
-    disconnects first. Once a stream has started, Starlette cancels it on a hang-up."""
+    disconnects first, or the drain's :class:`Dropped` at its deadline. Cancelled itself, it
+    cancels ``work`` before going (else ``work`` reads engine streams that are being closed).
+    Once a stream has started, Starlette cancels it on a hang-up."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -416,18 +421,27 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             pass
 
     watcher = asyncio.ensure_future(watch())
+    dropper = asyncio.ensure_future(drain.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, dropper}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel(task)
+        raise
     finally:
         watcher.cancel()
+        dropper.cancel()
     if task.done():
         return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - the request is gone either way
-        pass
+    await _cancel(task)
+    if drain.dropping:
+        raise drain.error()
     raise ClientGone
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has stopped (whatever it raises: its request is gone)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def collect_all(gens: list[list[AsyncGenerator]]) -> list[list[Any]]:
@@ -465,7 +479,7 @@ async def stream(
     """Wait for every request's first output, so engine-side refusals are still a proper 4xx
     (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream."""
     try:
-        firsts = await until_disconnect(request, first_outputs(gens))
+        firsts = await until_disconnect(request, first_outputs(gens), state.drain)
     except ClientGone:
         async with Flight(state, call, request, gens) as flight:
             raise ClientGone from None
@@ -506,7 +520,7 @@ async def _events(
     async with Flight(state, call, request, gens) as flight:
         for label, ids in zip(labels, prompts.ids, strict=True):
             flight.count(label, len(ids), 0)
-        merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)])
+        merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)], state.drain)
         completion = 0
         try:
             for ev in events.head():
@@ -537,14 +551,22 @@ async def _chained(first: Any, gen: AsyncGenerator) -> AsyncIterator[Any]:
             yield out
 
 
-async def merge(gens: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int, Any], None]:
-    """Interleave several engine streams; closing the merge cancels (aborts) them all."""
-    if len(gens) == 1:
+async def merge(
+    gens: list[AsyncIterator[Any]], drain: Drain | None = None
+) -> AsyncGenerator[tuple[int, Any], None]:
+    """Interleave several engine streams; closing the merge cancels (aborts) them all. At the
+    ``drain``'s deadline it raises :class:`Dropped` (the stream's last event says so)."""
+    if len(gens) == 1 and drain is None:
         async for out in gens[0]:
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
+    if drain is not None:
+        stopper = asyncio.ensure_future(drain.wait())
+        stopper.add_done_callback(
+            lambda t: None if t.cancelled() else queue.put_nowait((-1, drain.error()))
+        )
 
     async def pump(i: int, gen: AsyncIterator[Any]) -> None:
         try:
@@ -567,6 +589,8 @@ async def merge(gens: list[AsyncIterator[Any]]) -> AsyncGenerator[tuple[int, Any
             else:
                 yield i, item
     finally:
+        if drain is not None:
+            stopper.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

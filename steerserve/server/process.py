@@ -2,34 +2,67 @@
 
 The first SIGINT or SIGTERM drains: new connections are refused and requests in flight finish
 (EngineCore, which gets the same signal when the whole process group is signalled, drains too).
-A second signal stops at once. The exit status is 1 when the engine failed to load or died, so a
-supervisor restarts the process, and 0 after a drain.
+At ``--drain-seconds``, or on a second signal, what is still in flight is dropped and answered
+(503, or an error event in a stream: see ``drain.py``); a third signal stops at once. The exit
+status is 1 when the engine failed to load or died, so a supervisor restarts the process, or
+when requests were dropped (the log says how many); 0 after a drain that answered everyone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
+import socket
 from typing import Any
 
 import uvicorn
 
 from steerserve.server.app import create_app
+from steerserve.server.drain import GRACE
 from steerserve.server.state import ServerSettings, ServerState
+
+logger = logging.getLogger("steerserve.server")
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, told that a signal means stopping (not a dead engine), and forced by a second
-    signal of either kind (uvicorn alone forces only on a second SIGINT)."""
+    """uvicorn, told that a signal means stopping (not a dead engine); the drain deadline and a
+    second signal drop what is in flight (answered), a third forces the exit."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_seconds: float) -> None:
         super().__init__(config)
         self.state = state
+        self.drain_seconds = drain_seconds
+        self.signals = 0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.stopping = True
-        if self.should_exit:
+        self.signals += 1
+        if self.signals == 1:
+            super().handle_exit(sig, frame)
+        elif self.signals == 2:
+            self.should_exit = True
+            self._drop("a second signal")
+        else:
             self.force_exit = True
-        super().handle_exit(sig, frame)
+
+    def _drop(self, reason: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet (or any more): nothing in flight to answer
+            return
+        loop.call_soon_threadsafe(self.state.drain.drop, reason)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.get_running_loop().call_later(
+            self.drain_seconds,
+            self.state.drain.drop,
+            f"the drain deadline ({self.drain_seconds} s)",
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
 
 def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
@@ -40,13 +73,18 @@ def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
         host=settings.host,
         port=port,
         log_level=log_level.lower(),
-        timeout_graceful_shutdown=settings.drain_seconds,
+        # uvicorn cancels what is left only after the dropped requests had time to be answered
+        timeout_graceful_shutdown=settings.drain_seconds + GRACE,
         timeout_keep_alive=settings.keep_alive_seconds,
     )
-    server = _Server(config, app.state.steer)
+    state: ServerState = app.state.steer
+    server = _Server(config, state, settings.drain_seconds)
     # uvicorn re-raises a signal it drained on under the handler found at start: a no-op here,
     # so that a drained server exits with its own status instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 1 if app.state.steer.failed else 0
+    if state.drain.count:
+        logger.error("stopped: %s", state.drain.summary())
+        return 1
+    return 1 if state.failed else 0

@@ -18,6 +18,7 @@ from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
+from steerserve.server.drain import Drain
 from steerserve.server.experiment import (
     MAX_FEEDBACK_PER_ID,
     STEERED,
@@ -83,6 +84,7 @@ class ServerState:
         self.load_error: BaseException | None = None
         self.engine_died = False
         self.stopping = False  # set on SIGINT/SIGTERM: the engine may stop, it did not die
+        self.drain = Drain()  # past the drain deadline: requests in flight are answered 503
         self.created = int(time.time())
         self.loaded = False
         self.admin_refusal = _admin_refusal(settings)
