@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,6 @@ def _root() -> None:
 
 
 # --- serve: the OpenAI-compatible server --------------------------------------------------------
-
-
-def _default_vectors_dir() -> str:
-    """``vectors/`` of the source tree or image (next to the package), else ./vectors."""
-    here = Path(__file__).resolve().parent.parent / "vectors"
-    return str(here if here.is_dir() else Path("vectors"))
 
 
 def _resolve_model(model: str) -> Path:
@@ -169,6 +164,7 @@ def serve(
     Exits 1 when the engine fails to load or dies (for a supervisor to restart it)."""
     import logging
 
+    from steerserve.artifacts import default_vectors_dir
     from steerserve.engine.api import EngineConfig
     from steerserve.server.process import serve as run_server
     from steerserve.server.state import ServerSettings
@@ -206,7 +202,7 @@ def serve(
     )
     settings = ServerSettings(
         engine=cfg,
-        vectors_dir=vectors_dir or _default_vectors_dir(),
+        vectors_dir=vectors_dir or default_vectors_dir(),
         served_model_name=served_model_name,
         api_key=api_key or None,
         steering=steering,
@@ -392,21 +388,6 @@ _MAX_TOKENS_HELP = (
 )
 
 
-def _max_tokens(value: int, form: str) -> int:
-    """``--max-tokens``, else the form's budget (``replies.budget``)."""
-    from steerserve.research.replies import budget
-
-    return budget(form, value)
-
-
-def _artifact_form(art: object) -> str | None:
-    """The form an artifact was calibrated on (recorded with its calibration), if any."""
-    if art is None:
-        return None
-    cal = art.manifest.interventions[0].calibration or {}  # type: ignore[attr-defined]
-    return (cal.get("scoring") or {}).get("form")
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -444,44 +425,15 @@ def extract(
     ),
 ) -> None:
     """Extract per-layer candidate recall and translation vectors (all layers, last token)."""
-    import json
-    import time
+    from steerserve.research import extract as ex
 
-    import torch
-
-    from steerserve.research.extract import ExtractConfig, summary
-    from steerserve.research.extract import extract as run_extract
-    from steerserve.research.hf import load_model
-    from steerserve.research.records import default_form
-
-    if threads:
-        torch.set_num_threads(threads)
-    t0 = time.perf_counter()
-    try:
-        form = default_form(_resolve_model(model), form)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--form") from None
-    mdl, tok = load_model(model, device=device, dtype=dtype)
-    cfg = ExtractConfig(
-        form=form,
+    ext = ex.ExtractConfig(
+        per_lang, recall_shots, translation_shots, seed, batch_size,
+        _facts_langs() if langs == "all" else _strs(langs), form=form,
         recall_sources=_strs(recall_sources),
-        per_lang=per_lang,
-        recall_shots=recall_shots,
-        translation_shots=translation_shots,
-        seed=seed,
-        batch_size=batch_size,
-        langs=_facts_langs() if langs == "all" else _strs(langs),
-    )
-    cands = run_extract(mdl, tok, cfg)
-    cands.meta.update(
-        model=str(model), device=device, dtype=dtype, total_seconds=time.perf_counter() - t0
-    )
-    cands.save(out)
-    typer.echo(
-        f"wrote {out} ({len(cands.names)} {form}-form candidates, {cands.meta['seconds']} s)"
-    )
-    for row in summary(cands):
-        typer.echo(json.dumps(row))
+    )  # fmt: skip
+    cfg = ex.ExtractRun(model, _resolve_model(model), out, device, dtype, threads, ext)
+    _research(ex.run, cfg)
 
 
 def _torch_dtype(dtype: str, device: str) -> str:
@@ -641,52 +593,6 @@ _ARTIFACT_HELP = (
 _VECTORS_HELP = "Where the default artifact is looked up (default: the server's vectors/)."
 
 
-def _artifact(ref: Path | None, model_dir: Path, vectors_dir: str | None, arms: tuple[str, ...]):
-    """``--artifact``, else the one ``auto`` would serve for the model; exits naming what is
-    missing when steered arms are asked for and there is none."""
-    from steerserve.artifacts import ArtifactError, load_artifact, preferred_artifact
-    from steerserve.research.arms import UNSTEERED
-
-    root = vectors_dir or _default_vectors_dir()
-    try:
-        art = (
-            load_artifact(ref, model_dir=model_dir)
-            if ref is not None
-            else preferred_artifact(root, model_dir)
-        )
-    except ArtifactError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    if art is None and arms != (UNSTEERED,):
-        typer.echo(
-            f"error: no steering artifact for the model {model_dir.name!r} under {root!r}: pass "
-            f"--artifact DIR, or --arms {UNSTEERED} for the unsteered arm alone",
-            err=True,
-        )
-        raise typer.Exit(1)
-    return art
-
-
-def _arms(text: str, art: object, controls: bool) -> tuple[str, ...]:
-    """``--arms``, or every arm of the artifact; unknown arms are a usage error."""
-    from steerserve.research.arms import arm_names, check_arms
-
-    arms = _strs(text) if text else arm_names(art, controls=controls)
-    try:
-        check_arms(arms, art)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--arms") from None
-    return arms
-
-
-def _interventions(art: object) -> dict:
-    m = art.manifest  # type: ignore[attr-defined]
-    return {
-        iv.name: {"layer": iv.layer, "scale": iv.scale, "positions": iv.positions}
-        for iv in m.interventions
-    }
-
-
 @app.command("eval")
 def eval_cmd(
     artifact: Path | None = typer.Option(None, help=_ARTIFACT_HELP, show_default=False),
@@ -741,68 +647,34 @@ def eval_cmd(
 ) -> None:
     """Evaluate an artifact's arms (unsteered, each intervention, both, controls) through vLLM;
     writes report.json/md, accuracy.png and every reply (replies.jsonl)."""
-    import time
-
-    from steerserve.research import evaluate as ev
-    from steerserve.research.facts import eval_records
-    from steerserve.research.records import dataset_form, default_form, read_dataset
+    from steerserve.research import evaluate_run as ev
     from steerserve.research.replies import BudgetError
 
-    t0 = time.perf_counter()
-    model_dir = _resolve_model(model)
-    art = _artifact(artifact, model_dir, vectors_dir, ("steered",))
-    arm_list = _arms(arms, art, controls=True)
+    cfg = ev.EvalConfig(
+        _resolve_model(model), out, artifact, vectors_dir, dataset, _strs(arms), limit_per_lang,
+        _part(part), shots, split, form, max_tokens, max_cut_share, plan, dtype, kv_cache_bytes,
+        max_num_seqs, cpu_threads,
+    )  # fmt: skip
     try:
-        if dataset is not None:
-            records = read_dataset(dataset)
-            form = dataset_form(records)
-        else:
-            form = default_form(
-                model_dir, (_artifact_form(art) or "auto") if form == "auto" else form
-            )
-            limit = limit_per_lang or None
-            records = eval_records(
-                split, shots=shots, limit_per_lang=limit, part=_part(part), form=form
-            )
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
-    max_tokens = _max_tokens(max_tokens, form)
-    declared = _plan(plan, out)
-    eng = ev.open_engine(
-        model_dir, dtype, max_num_seqs, kv_cache_bytes, cpu_threads=cpu_threads or None
-    )
-    t_engine = time.perf_counter() - t0
-    meta: dict = {
-        "model": str(model_dir.name),
-        "artifact": art.key,
-        "dataset": str(dataset) if dataset else _builtin(split, form, shots, part),
-        "n_items": len(records),
-        "max_tokens": max_tokens,
-        "interventions": _interventions(art),
-        **({"plan": declared} if declared else {}),
-    }
-
-    def write(done: int, results: dict, times: dict) -> dict:
-        meta["timings_s"] = {"engine_start": round(t_engine, 1), **times}
-        meta["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
-        meta["n_done"] = done
-        meta["finished"] = done == len(records)
-        report = ev.build_report(records[:done], results, meta)
-        ev.write_report(report, out, results)
-        ev.check_budget(results, max_tokens, max_cut_share)
-        return report
-
-    try:
-        results, times = ev.evaluate(eng, art, records, arm_list, max_tokens, on_chunk=write)
+        _research(ev.run, cfg)
     except BudgetError as e:
         typer.echo(f"error: {e} (report and replies so far in {out})", err=True)
         raise typer.Exit(1) from None
-    finally:
-        eng.shutdown()
-    report = write(len(records), results, times)
-    for arm, a in report["arms"].items():
-        typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
-    typer.echo(f"wrote {out}/report.json, report.md, accuracy.png, replies.jsonl")
+
+
+def _research(run: Callable[..., Any], cfg: Any) -> Any:
+    """Call a research ``run(config)``, its refusals said as a command line says them: a
+    ``ConfigError`` is a usage error naming its option, a ``RunError`` is ``error: ...`` and
+    exit status 1."""
+    from steerserve.research.runs import ConfigError, RunError
+
+    try:
+        return run(cfg, log=typer.echo)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e), param_hint=e.param) from None
+    except RunError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -816,28 +688,6 @@ def _part(text: str) -> tuple[int, int]:
             f"{text!r} is not K/N with 0 <= K < N", param_hint="--part"
         ) from None
     return k, n
-
-
-def _plan(plan: Path | None, out: Path) -> dict | None:
-    """The declared plan (file name and text), or None; refuses to run a test whose finished
-    report, holding a plan, is already in ``out``."""
-    import json
-
-    if plan is None:
-        return None
-    done = out / "report.json"
-    if done.exists():
-        old = json.loads(done.read_text(encoding="utf-8"))
-        if old.get("plan") and old.get("finished"):
-            raise typer.BadParameter(
-                f"{done} is a finished test with a declared plan; a test runs once: pass a new "
-                "--out to run another",
-                param_hint="--plan",
-            )
-    try:
-        return {"file": plan.name, "text": plan.read_text(encoding="utf-8").strip()}
-    except OSError as e:
-        raise typer.BadParameter(f"cannot read {plan}: {e.strerror}", param_hint="--plan") from None
 
 
 @app.command()
@@ -883,6 +733,50 @@ def headroom(
     for cond, a in report["arms"].items():
         typer.echo(f"{cond:10s} non-English mean {a['non_english_mean']:.3f}")
     typer.echo(f"wrote {out}/report.json, report.md, replies.jsonl")
+
+
+@app.command("train-vector")
+def train_vector(
+    out: Path = typer.Option(..., help="The artifact folder to write (one intervention)."),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    layer: int = typer.Option(16, help="The block whose output the vector is added to."),
+    relations: str = typer.Option(
+        "capital_of,city_in", help="Relations trained on; the others are held out."
+    ),
+    langs: str = typer.Option("", help="Comma-separated languages (default: all 12)."),
+    replies: Path | None = typer.Option(
+        None,
+        help="The model's unsteered replies to the calibration split's first half "
+        "(a headroom or eval replies.jsonl); default: generated here (slow on a CPU).",
+    ),
+    replies_arm: str = typer.Option("zero", help="Which arm of --replies is unsteered."),
+    report_dir: Path = typer.Option(
+        Path("out/train-vector"), help="curve.json, confirmation.jsonl."
+    ),
+    steps: int = typer.Option(60, help="Gradient steps at most (early stop on held-aside items)."),
+    batch_size: int = typer.Option(16, help="Items per step."),
+    lr: float = typer.Option(0.05, help="Adam step, in units of the block's mean residual norm."),
+    norm_cap: float = typer.Option(0.5, help="Largest ||v|| in units of that norm."),
+    kl_weight: float = typer.Option(1.0, help="Weight of the English KL term (0: none)."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32 weights."),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
+) -> None:
+    """Learn one steering vector by gradient on the gold name after the model's own prefix,
+    pooled over the non-English languages, English kept by a KL term (issue 20)."""
+    from steerserve.research import train_vector as tv
+    from steerserve.research import train_vector_run as tr
+
+    cfg = tr.RunConfig(
+        model_dir=_resolve_model(model), out=out, relations=_strs(relations),
+        langs=_strs(langs) or None, replies=replies, replies_arm=replies_arm,
+        report_dir=report_dir, dtype=dtype, threads=threads,
+        train=tv.TrainConfig(layer=layer, steps=steps, batch_size=batch_size, lr=lr,
+                             norm_cap=norm_cap, kl_weight=kl_weight),
+    )  # fmt: skip
+    try:
+        tr.run(cfg, log=typer.echo)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--replies/--langs/--relations") from None
 
 
 @app.command()
@@ -995,80 +889,15 @@ def analyze(
     dtype: str = typer.Option("float32", help="torch dtype: float32, bfloat16 or float16."),
 ) -> None:
     """Logit lens per language and recall vs conversion failures, with and without steering."""
-    import time
+    from steerserve.research import analyze_run as an
 
-    import torch
-
-    from steerserve.research import analyze as an
-    from steerserve.research import analyze_report as ar
-    from steerserve.research.facts import eval_records
-    from steerserve.research.hf import decoder_layers, load_model
-    from steerserve.research.records import dataset_form, default_form, read_dataset
-
-    if threads:
-        torch.set_num_threads(threads)
-    t0 = time.perf_counter()
-    model_dir = _resolve_model(model)
-    art = _artifact(artifact, model_dir, vectors_dir, _strs(arms))
-    arm_list = _arms(arms, art, controls=False)
-    lang_list = None if langs == "all" else _strs(langs)
-    try:
-        if dataset is not None:
-            records = an.sample(read_dataset(dataset), sample, lang_list, seed)
-            form = dataset_form(records)
-        else:
-            form = default_form(
-                model_dir, (_artifact_form(art) or "auto") if form == "auto" else form
-            )
-            recs = eval_records(split, shots=shots, langs=lang_list, form=form)
-            records = an.sample(recs, sample, seed=seed)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dataset/--form") from None
-    max_tokens = _max_tokens(max_tokens, form)
-    mdl, tok = load_model(model_dir, device=device, dtype=dtype)
-    n_layers = len(decoder_layers(mdl))
-    cfg = an.LensConfig(
-        threshold=threshold,
-        window=tuple(_ints(window)) if window else None,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        batch_size=batch_size,
-    )
-    cfg.blocks(n_layers)  # fail now on a bad window, not after the first arm
-    meta: dict = {
-        "model": model_dir.name,
-        "dataset": str(dataset) if dataset else _builtin(split, form, shots),
-        "n_items": len(records),
-        "sample_per_lang": sample or "all",
-        "sample_seed": seed,
-        "vocab_size": int(mdl.config.get_text_config().vocab_size),
-    }
-    if art is not None:
-        meta["artifact"] = art.key
-        meta["interventions"] = _interventions(art)
-
-    def write(results: dict, times: dict) -> dict:
-        meta["timings_s"] = {**times, "total": round(time.perf_counter() - t0, 1)}
-        rep = ar.build_report(results, cfg, n_layers, meta)
-        ar.write_report(rep, out)
-        return rep
-
-    results, times = an.run(mdl, tok, records, cfg, arm_list, art, on_arm=write)
-    rep = write(results, times)
-    for arm, r in rep["arms"].items():
-        ne, f = r["non_english"], r["non_english"]["failures"]
-        typer.echo(
-            f"{arm:12s} non-English acc {ne['accuracy']:.3f}  wrong {f['wrong']}: "
-            f"recall {f['recall']} / conversion {f['conversion']}"
-        )
-    typer.echo(f"wrote {out}/report.json, report.md, lens_*.png, failures.png")
-
-
-def _builtin(split: str, form: str, shots: int | None, part: str = "0/1") -> str:
-    from steerserve.research.facts import default_shots
-
-    n = default_shots(form, shots)
-    sub = "" if part == "0/1" else f", part {part}"
-    return f"built-in {split} split{sub}, {form} form, {n}-shot"
+    cfg = an.AnalyzeConfig(
+        _resolve_model(model), out, dataset, split, shots, form, sample, seed,
+        None if langs == "all" else _strs(langs), artifact, vectors_dir, _strs(arms), threshold,
+        tuple(_ints(window)) if window else None,  # type: ignore[arg-type]
+        max_tokens, batch_size, threads, device, dtype,
+    )  # fmt: skip
+    _research(an.run, cfg)
 
 
 def _facts_langs() -> tuple[str, ...]:
