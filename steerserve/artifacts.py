@@ -494,6 +494,13 @@ def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
     return sorted(newest, key=lambda a: a.manifest.name)
 
 
+def default_vectors_dir() -> str:
+    """``vectors/`` of the source tree or image (next to the package), else ./vectors: where the
+    server, eval and analyze look for artifacts when not told."""
+    here = Path(__file__).resolve().parent.parent / "vectors"
+    return str(here if here.is_dir() else Path("vectors"))
+
+
 def preferred_artifact(root: str | Path | None, model_dir: str | Path) -> Artifact | None:
     """The artifact ``steering: "auto"`` serves for this model from ``root``: the first of
     :func:`newest_first` among the verified ones bound to it (None when there is none)."""

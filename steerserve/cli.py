@@ -266,29 +266,9 @@ _ROOT_HELP = "Directory holding the artifacts (vectors/<model>/<version>/)."
 @vectors_app.command("list")
 def vectors_list(root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP)) -> None:
     """List the artifacts under ROOT with their model and recommended layer/scale."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    from steerserve import vectors_view
 
-    from steerserve import artifacts as art
-
-    table = Table("name", "version", "model", "interventions", "layer / scale / positions")
-    for p in art.find_artifacts(root):
-        try:
-            m = art.read_manifest(p)
-        except art.ArtifactError as e:
-            table.add_row(str(p.relative_to(root)), "", "", Text(f"invalid: {e}", style="red"), "")
-            continue
-        b = m.model
-        ivs = m.interventions
-        table.add_row(
-            m.name,
-            m.version,
-            f"{b.architecture} ({b.num_layers}×{b.hidden_size})",
-            "\n".join(iv.name for iv in ivs),
-            "\n".join(f"L{iv.layer} × {iv.scale:g} ({iv.positions})" for iv in ivs),
-        )
-    Console(width=200).print(table if table.row_count else f"no artifacts under {root}")
+    raise typer.Exit(vectors_view.list_artifacts(root))
 
 
 @vectors_app.command("show")
@@ -299,39 +279,9 @@ def vectors_show(
     root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
 ) -> None:
     """Show one artifact: model binding, interventions, provenance, calibration winner."""
-    from rich.console import Console
+    from steerserve import vectors_view
 
-    from steerserve import artifacts as art
-
-    out = Console(width=200, markup=False, highlight=False)
-    try:
-        path = art.resolve_artifact(ref, root)
-        m = art.read_manifest(path)
-    except art.ArtifactError as e:
-        out.print(str(e), style="red")
-        raise typer.Exit(1) from None
-    b, fp = m.model, m.model.fingerprint
-    out.print(f"{m.name}/{m.version}", style="bold", end="")
-    out.print(f"  ({path})  created {m.created}, steerserve {m.steerserve_version}")
-    if m.description:
-        out.print(m.description)
-    out.print(f"model: {b.architecture}, {b.num_layers} layers, hidden {b.hidden_size}")
-    out.print(f"  source {b.source!r}, config {fp.config_sha256[:16]}…, embedding ", end="")
-    out.print(f"{fp.embedding_sha256[:16]}…")
-    out.print(f"layers: {m.layer_convention}")
-    for iv in m.interventions:
-        out.print(m.vector_name(iv), style="bold", end="")
-        out.print(
-            f": layer {iv.layer}, scale {iv.scale:g}, positions {iv.positions}, "
-            f"norm {iv.norm or 0:.4g}, sha256 {iv.sha256[:16]}…"
-        )
-        if iv.provenance:
-            out.print("  provenance: " + ", ".join(f"{k}={v}" for k, v in iv.provenance.items()))
-        cal = iv.calibration or {}
-        if cal:
-            rows = next((len(v) for v in cal.values() if isinstance(v, list)), 0)
-            out.print(f"  calibration: objective {cal.get('objective', '?')}; ", end="")
-            out.print(f"chosen {cal.get('chosen', '?')}; {rows} sweep rows")
+    raise typer.Exit(vectors_view.show(ref, root))
 
 
 @vectors_app.command("verify")
@@ -345,28 +295,9 @@ def vectors_verify(
     root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
 ) -> None:
     """Verify artifacts (schema, checksums, shapes, NaN/Inf, layers, model); exit 1 on any failure."""
-    from rich.console import Console
+    from steerserve import vectors_view
 
-    from steerserve import artifacts as art
-
-    out = Console(width=200, markup=False, highlight=False)
-    dirs = [d for p in (paths or [root]) for d in (art.find_artifacts(p) or [p])]
-    failed = 0
-    try:
-        expect = art.binding_for_model(model) if model is not None else None
-    except art.ArtifactError as e:
-        out.print(f"FAIL {e}", style="red")
-        raise typer.Exit(1) from None
-    for d in dirs:
-        try:
-            a = art.load_artifact(d, expect=expect)
-            out.print(f"OK   {d}  {a.manifest.name}/{a.manifest.version}", style="green")
-        except art.ArtifactError as e:
-            failed += 1
-            msg = str(e)
-            out.print(f"FAIL {msg if str(d) in msg else f'{d}: {msg}'}", style="red")
-    if failed:
-        raise typer.Exit(1)
+    raise typer.Exit(vectors_view.verify(paths or [], root, model))
 
 
 # --- extract / calibrate / eval: the two interventions, calibrated and evaluated --------------
@@ -434,18 +365,6 @@ def extract(
     )  # fmt: skip
     cfg = ex.ExtractRun(model, _resolve_model(model), out, device, dtype, threads, ext)
     _research(ex.run, cfg)
-
-
-def _torch_dtype(dtype: str, device: str) -> str:
-    """``--dtype`` for transformers: ``auto`` is float32 on CPU (bfloat16 matmuls are slow
-    there) and bfloat16 on an accelerator."""
-    if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise typer.BadParameter(
-            f"{dtype!r}; known: auto, float32, bfloat16, float16", param_hint="--dtype"
-        )
-    return dtype
 
 
 @app.command()
@@ -542,23 +461,8 @@ def calibrate(
 
     With --objective logp (the default) the winner is chosen on one half of the calibration
     facts and re-checked on the other; the artifact records whether it confirmed."""
-    from steerserve.engine.cpu import cores_of
     from steerserve.research import calibrate_run as run
-    from steerserve.research.calibrate import OBJECTIVES
 
-    if objective not in OBJECTIVES:  # before anything slow is loaded
-        raise typer.BadParameter(
-            f"{objective!r}; known: {', '.join(OBJECTIVES)}", param_hint="--objective"
-        )
-    torch_dtype, threads = dtype, 0
-    if objective == "logp":
-        torch_dtype = _torch_dtype(dtype, device)
-        try:
-            threads = len(cores_of(cpu_threads)) if cpu_threads else 0
-        except ValueError:
-            raise typer.BadParameter(
-                f"{cpu_threads!r}: not a core list", param_hint="--cpu-threads"
-            ) from None
     grid: dict[str, Any] = dict(
         recall_variants=_strs(variants),
         recall_scales=_floats(recall_scales),
@@ -575,15 +479,11 @@ def calibrate(
     if translation_layers:
         grid["translation_layers"] = _ints(translation_layers)
     cfg = run.CalibrateConfig(
-        candidates, out, Path(), objective, per_lang, en_items, shots, max_tokens, form, dataset,
-        grid, torch_dtype, device, batch_size, kv_cache_bytes, max_num_seqs, cpu_threads,
-        threads, holdout, overwrite, summary_dir,
+        candidates, out, model, objective, per_lang, en_items, shots, max_tokens, form, dataset,
+        grid, dtype, device, batch_size, kv_cache_bytes, max_num_seqs, cpu_threads, 0, holdout,
+        overwrite, summary_dir,
     )  # fmt: skip
-    cfg.model_dir = _resolve_model(model)
-    try:
-        run.run(cfg, log=typer.echo)
-    except run.ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint=e.param) from None
+    _research(run.run, cfg)
 
 
 _ARTIFACT_HELP = (

@@ -18,14 +18,7 @@ from steerserve.research import calibrate as cal
 from steerserve.research.arms import UNSTEERED
 from steerserve.research.extract import Candidates
 from steerserve.research.facts import default_shots
-
-
-class ConfigError(ValueError):
-    """A setting that cannot run, and the option (``param``) that says it."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+from steerserve.research.runs import ConfigError
 
 
 @dataclass
@@ -34,7 +27,7 @@ class CalibrateConfig:
 
     candidates: Path
     out: Path  # ROOT/NAME/VERSION
-    model_dir: Path
+    model_dir: str | Path  # a folder or an embedded model's name; run resolves it
     objective: str = "logp"
     per_lang: int = 10
     en_items: int = 30
@@ -43,60 +36,95 @@ class CalibrateConfig:
     form: str = "auto"
     dataset: Path | None = None
     grid: dict[str, Any] = field(default_factory=dict)  # cal.Grid.for_layers keywords
-    dtype: str = "auto"  # engine dtype (accuracy) or transformers dtype (logp, resolved)
+    dtype: str = "auto"  # engine dtype (accuracy) or transformers dtype (logp; see torch_dtype)
     device: str = "cpu"
     batch_size: int = 64
     kv_cache_bytes: int = 512 << 20
     max_num_seqs: int = 64
     cpu_threads: str = ""
-    threads: int = 0  # logp: torch threads (0: torch's own)
+    threads: int = 0  # logp: torch threads (0: as many as cpu_threads lists, else torch's own)
     holdout: int = 0
     overwrite: bool = False
     summary_dir: Path = Path("docs/results")
 
 
-def _records(cfg: CalibrateConfig, form: str, check: bool) -> tuple[list[dict], list[dict]]:
-    """The sweep's records and the held-out ones (no fact in both)."""
-    from steerserve.research.records import read_dataset
-
-    if cfg.dataset is not None:
-        return cal.split_records(read_dataset(cfg.dataset), check)
-    part = (0, 2) if check else (0, 1)
-    records = cal.calib_records(cfg.per_lang, cfg.en_items, cfg.shots, part=part, form=form)
-    n_held = (cfg.holdout, cfg.holdout) if cfg.holdout else (cfg.per_lang, cfg.en_items)
-    held = cal.calib_records(*n_held, cfg.shots, part=(1, 2), form=form) if check else []
-    return records, held
+def torch_dtype(dtype: str, device: str) -> str:
+    """``--dtype`` for transformers: ``auto`` is float32 on CPU (bfloat16 matmuls are slow
+    there) and bfloat16 on an accelerator."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{dtype!r}; known: auto, float32, bfloat16, float16", "--dtype")
+    return dtype
 
 
-def form_of_run(cfg: CalibrateConfig, cands: Candidates) -> str:
-    """The dataset's form, else ``--form`` (auto: the form the candidates were extracted in)."""
-    from steerserve.research.records import dataset_form, default_form, read_dataset
+def _resolved(cfg: CalibrateConfig) -> CalibrateConfig:
+    """The log P objective's transformers dtype and torch thread count, checked before anything
+    slow is loaded (the accuracy objective hands both to the engine as given)."""
+    from dataclasses import replace
 
+    from steerserve.engine.cpu import cores_of
+
+    if cfg.objective not in cal.OBJECTIVES:
+        raise ConfigError(f"{cfg.objective!r}; known: {', '.join(cal.OBJECTIVES)}", "--objective")
+    if cfg.objective != "logp":
+        return cfg
+    dtype = torch_dtype(cfg.dtype, cfg.device)
     try:
-        if cfg.dataset is not None:
-            return dataset_form(read_dataset(cfg.dataset))
-        fallback = cands.meta.get("form", "completion") if cfg.form == "auto" else cfg.form
-        return default_form(cfg.model_dir, fallback)
+        threads = cfg.threads or (len(cores_of(cfg.cpu_threads)) if cfg.cpu_threads else 0)
+    except ValueError:
+        raise ConfigError(f"{cfg.cpu_threads!r}: not a core list", "--cpu-threads") from None
+    return replace(cfg, dtype=dtype, threads=threads)
+
+
+def _checked(cfg: CalibrateConfig) -> CalibrateConfig:
+    """``cfg`` with its settings checked and resolved, the model's folder last (an embedded
+    model is converted on first use: slow, so only once the rest is known to be good)."""
+    from dataclasses import replace
+
+    from steerserve.research.runs import model_dir
+
+    cfg = _resolved(cfg)
+    return replace(cfg, model_dir=model_dir(cfg.model_dir))
+
+
+def _records(
+    cfg: CalibrateConfig, cands: Candidates, check: bool
+) -> tuple[list[dict], list[dict], str]:
+    """The sweep's records, the held-out ones (no fact in both) and their form: the dataset's,
+    else ``--form`` (auto: the form the candidates were extracted in)."""
+    from steerserve.research.records import load_records
+
+    fallback = cands.meta.get("form", "completion")
+    part = (0, 2) if check else (0, 1)
+    try:
+        records, form = load_records(
+            cfg.dataset, cfg.model_dir, cfg.form, fallback, build=cal.calib_records,
+            per_lang=cfg.per_lang, en_items=cfg.en_items, shots=cfg.shots, part=part,
+        )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e), "--dataset/--form") from None
+    if cfg.dataset is not None:
+        return *cal.split_records(records, check), form
+    n_held = (cfg.holdout, cfg.holdout) if cfg.holdout else (cfg.per_lang, cfg.en_items)
+    held = cal.calib_records(*n_held, cfg.shots, part=(1, 2), form=form) if check else []
+    return records, held, form
 
 
 def run(cfg: CalibrateConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Sweep, check on held-out facts, write the artifact and the summary; the result."""
     from steerserve.research.replies import budget
 
-    if cfg.objective not in cal.OBJECTIVES:
-        raise ConfigError(f"{cfg.objective!r}; known: {', '.join(cal.OBJECTIVES)}", "--objective")
+    cfg = _checked(cfg)
     logp = cfg.objective == "logp"
     t0 = time.perf_counter()
     cands = Candidates.load(cfg.candidates)
-    form = form_of_run(cfg, cands)
+    records, held, form = _records(cfg, cands, check=logp or bool(cfg.holdout))
     max_tokens = budget(form, cfg.max_tokens)
     try:
         grid = cal.Grid.for_layers(int(cands.meta["num_layers"]), **cfg.grid)
     except ValueError as e:
         raise ConfigError(str(e), "--positions") from None
-    records, held = _records(cfg, form, check=logp or bool(cfg.holdout))
     if logp and not any(r["lang"] != "en" for r in held):
         raise ConfigError(
             "the held-out half has no non-English record (give at least 2 per language)",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,12 +342,58 @@ def summary(c: Candidates) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass
+class ExtractRun:
+    """``steerserve extract``'s settings: the model, where the candidates go, and the
+    extraction (``extract.form`` ``auto``: chat for an instruction-tuned model's name)."""
+
+    model: str  # as given: a checkpoint folder or an embedded model's name
+    model_dir: Path  # the folder it resolves to
+    out: Path = Path("out/candidates.safetensors")
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0  # torch threads; 0: torch's own
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+
+
+def run(cfg: ExtractRun, log: Callable[[str], None] = print) -> Candidates:
+    """Extract every candidate, save it (.safetensors + .json sidecar) and log one summary row
+    per layer; the candidates. An unknown form is a ``runs.ConfigError``."""
+    from dataclasses import replace
+
+    from steerserve.research.hf import load_model
+    from steerserve.research.records import default_form
+    from steerserve.research.runs import ConfigError
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    try:
+        ext = replace(cfg.extract, form=default_form(cfg.model_dir, cfg.extract.form))
+    except ValueError as e:
+        raise ConfigError(str(e), "--form") from None
+    mdl, tok = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    cands = extract(mdl, tok, ext)
+    cands.meta.update(
+        model=cfg.model, device=cfg.device, dtype=cfg.dtype, total_seconds=time.perf_counter() - t0
+    )
+    cands.save(cfg.out)
+    log(
+        f"wrote {cfg.out} ({len(cands.names)} {ext.form}-form candidates, {cands.meta['seconds']} s)"
+    )
+    for row in summary(cands):
+        log(json.dumps(row))
+    return cands
+
+
 __all__ = [
     "Candidates",
     "ExtractConfig",
+    "ExtractRun",
     "extract",
     "last_token_means",
     "prompt_groups",
+    "run",
     "summary",
     "translation_chat",
     "unit_scaled",

@@ -9,12 +9,12 @@ rendering, so what is measured is what is served).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from steerserve.chat import chat_ids, check_messages
-from steerserve.research.facts import FORMS
+from steerserve.research.facts import FORMS, default_shots, eval_records
 from steerserve.research.scorer import fold
 
 Prompt = str | list[dict[str, str]]  # completion text or chat messages
@@ -108,3 +108,39 @@ def default_form(model_dir: str | Path, form: str = "auto") -> str:
         return form
     name = Path(model_dir).name.lower()
     return "chat" if name.endswith(_CHAT_SUFFIXES) else "completion"
+
+
+def load_records(
+    dataset: str | Path | None,
+    model_dir: str | Path,
+    form: str = "auto",
+    fallback: str = "auto",
+    build: Callable[..., list[dict]] | None = None,
+    **select: Any,
+) -> tuple[list[dict], str]:
+    """The records a run reads, and their one form: a ``dataset`` file's (checked; its form is
+    its records'), else the built-in facts in ``form`` (auto: ``fallback``, the form an artifact
+    or its candidates were made in; auto again: by the model's name), built by ``build``
+    (default :func:`facts.eval_records`) with ``select`` (split, shots, part, langs, ...).
+
+    Why one function: eval, analyze and calibrate each branched on dataset-or-split, form and
+    shots; written three times, the three drifted. ``ValueError``: a bad file or form."""
+    if dataset is not None:
+        records = read_dataset(dataset)
+        return records, dataset_form(records)
+    form = default_form(model_dir, fallback if form == "auto" else form)
+    return (build or eval_records)(form=form, **select), form
+
+
+def describe_source(
+    dataset: str | Path | None,
+    split: str,
+    form: str,
+    shots: int | None,
+    part: tuple[int, int] = (0, 1),
+) -> str:
+    """The report's ``dataset`` line: the file, or which built-in split, part, form and shots."""
+    if dataset is not None:
+        return str(dataset)
+    sub = "" if part == (0, 1) else f", part {part[0]}/{part[1]}"
+    return f"built-in {split} split{sub}, {form} form, {default_shots(form, shots)}-shot"

@@ -1,0 +1,105 @@
+"""``steerserve vectors list|show|verify``: artifacts as a person reads them.
+
+Why not in the CLI: what a listing shows, how a manifest is summarised and what counts as a
+failed verification belong with the artifacts, not with option parsing; each function prints to
+a rich console and returns the exit status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from steerserve import artifacts as art
+
+
+def console() -> Console:
+    """A wide console that prints text as given (a manifest's text is not rich markup)."""
+    return Console(width=200, markup=False, highlight=False)
+
+
+def list_artifacts(root: Path, out: Console | None = None) -> int:
+    """A table of the artifacts under ``root`` with their model and recommended settings;
+    one that does not read is listed as invalid, with the reason."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table("name", "version", "model", "interventions", "layer / scale / positions")
+    for p in art.find_artifacts(root):
+        try:
+            m = art.read_manifest(p)
+        except art.ArtifactError as e:
+            table.add_row(str(p.relative_to(root)), "", "", Text(f"invalid: {e}", style="red"), "")
+            continue
+        b = m.model
+        ivs = m.interventions
+        table.add_row(
+            m.name,
+            m.version,
+            f"{b.architecture} ({b.num_layers}×{b.hidden_size})",
+            "\n".join(iv.name for iv in ivs),
+            "\n".join(f"L{iv.layer} × {iv.scale:g} ({iv.positions})" for iv in ivs),
+        )
+    (out or Console(width=200)).print(table if table.row_count else f"no artifacts under {root}")
+    return 0
+
+
+def show(ref: str, root: Path, out: Console | None = None) -> int:
+    """One artifact: model binding, interventions, provenance, calibration winner; 1 when it
+    cannot be found or read."""
+    out = out or console()
+    try:
+        path = art.resolve_artifact(ref, root)
+        m = art.read_manifest(path)
+    except art.ArtifactError as e:
+        out.print(str(e), style="red")
+        return 1
+    b, fp = m.model, m.model.fingerprint
+    out.print(f"{m.name}/{m.version}", style="bold", end="")
+    out.print(f"  ({path})  created {m.created}, steerserve {m.steerserve_version}")
+    if m.description:
+        out.print(m.description)
+    out.print(f"model: {b.architecture}, {b.num_layers} layers, hidden {b.hidden_size}")
+    out.print(f"  source {b.source!r}, config {fp.config_sha256[:16]}…, embedding ", end="")
+    out.print(f"{fp.embedding_sha256[:16]}…")
+    out.print(f"layers: {m.layer_convention}")
+    for iv in m.interventions:
+        out.print(m.vector_name(iv), style="bold", end="")
+        out.print(
+            f": layer {iv.layer}, scale {iv.scale:g}, positions {iv.positions}, "
+            f"norm {iv.norm or 0:.4g}, sha256 {iv.sha256[:16]}…"
+        )
+        if iv.provenance:
+            out.print("  provenance: " + ", ".join(f"{k}={v}" for k, v in iv.provenance.items()))
+        cal = iv.calibration or {}
+        if cal:
+            rows = next((len(v) for v in cal.values() if isinstance(v, list)), 0)
+            out.print(f"  calibration: objective {cal.get('objective', '?')}; ", end="")
+            out.print(f"chosen {cal.get('chosen', '?')}; {rows} sweep rows")
+    return 0
+
+
+def verify(
+    paths: Sequence[Path], root: Path, model: Path | None = None, out: Console | None = None
+) -> int:
+    """Load every artifact in ``paths`` (default: all under ``root``) with every check, and
+    against ``model`` if given; 1 when any fails."""
+    out = out or console()
+    dirs = [d for p in (paths or [root]) for d in (art.find_artifacts(p) or [p])]
+    try:
+        expect = art.binding_for_model(model) if model is not None else None
+    except art.ArtifactError as e:
+        out.print(f"FAIL {e}", style="red")
+        return 1
+    failed = 0
+    for d in dirs:
+        try:
+            a = art.load_artifact(d, expect=expect)
+            out.print(f"OK   {d}  {a.manifest.name}/{a.manifest.version}", style="green")
+        except art.ArtifactError as e:
+            failed += 1
+            msg = str(e)
+            out.print(f"FAIL {msg if str(d) in msg else f'{d}: {msg}'}", style="red")
+    return 1 if failed else 0
