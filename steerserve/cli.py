@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import typer
 
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
-from steerserve.server.steering import DEFAULT_MODE, MODES
+from steerserve.server.steering import DEFAULT_MODE
 
 app = typer.Typer(
     help="steerserve: multilingual factual-recall steering for vLLM.", no_args_is_help=True
@@ -162,73 +161,20 @@ def serve(
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, A/B) with per-request steering.
     Exits 1 when the engine fails to load or dies (for a supervisor to restart it)."""
-    import logging
-
-    from steerserve.artifacts import default_vectors_dir
-    from steerserve.engine.api import EngineConfig
+    from steerserve.server import options as so
     from steerserve.server.process import serve as run_server
-    from steerserve.server.state import ServerSettings
 
-    if steering not in MODES:
-        raise typer.BadParameter(f"--steering must be off, on or auto, not {steering!r}")
-    _check_experiment(ab_split, ab_name, ab_log)
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    model_dir = _resolve_model(model)
-    import torch
-
-    from steerserve.engine.cpu import bind_all_cores, serve_dtype
-
-    on_gpu = torch.cuda.is_available()
-    if enforce_eager is None:
-        enforce_eager = not on_gpu
-    if (chosen := serve_dtype(dtype, on_gpu)) != dtype:
-        logging.getLogger(__name__).info("dtype auto: %s (no native bfloat16 on this CPU)", chosen)
-    ranks = tensor_parallel_size * pipeline_parallel_size
-    if bound := bind_all_cores(os.environ, on_gpu, ranks):
-        logging.getLogger(__name__).info("VLLM_CPU_OMP_THREADS_BIND=%s (every core)", bound)
-    cfg = EngineConfig(
-        model=str(model_dir),
-        dtype=chosen,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        kv_cache_memory_bytes=kv_cache_bytes or None,
-        gpu_memory_utilization=None if kv_cache_bytes else gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        distributed_executor_backend=distributed_executor_backend,
-        enforce_eager=enforce_eager,
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=vectors_dir or default_vectors_dir(),
-        served_model_name=served_model_name,
-        api_key=api_key or None,
-        steering=steering,
-        drain_seconds=drain_seconds,
-        keep_alive_seconds=keep_alive_seconds,
-        host=host,
-        open_admin=open_admin,
-        exit_on_failure=True,
-        ab_split=ab_split,
-        ab_name=ab_name,
-        ab_log=ab_log,
-        ab_log_content=ab_log_content,
-    )
-    raise typer.Exit(run_server(settings, port, log_level))
-
-
-def _check_experiment(split: float, name: str, log: str | None) -> None:
-    """Refuse a bad split or an unwritable log before the engine starts, naming the option."""
-    from steerserve.server.experiment import DecisionLog, Experiment
-
+    opts = so.ServeOptions(
+        model, vectors_dir, host, dtype, max_model_len, kv_cache_bytes, gpu_memory_utilization,
+        max_num_seqs, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
+        enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
+        keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
+    )  # fmt: skip
     try:
-        Experiment(name, split)
-        DecisionLog(log).close()
-    except ValueError as e:
-        option = str(e).split(":", 1)[0]
-        raise typer.BadParameter(str(e).split(": ", 1)[-1], param_hint=option) from None
+        settings = so.settings(opts)
+    except so.OptionError as e:
+        raise typer.BadParameter(str(e), param_hint=e.param) from None
+    raise typer.Exit(run_server(settings, port, log_level))
 
 
 @app.command("ab-report")

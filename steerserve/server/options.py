@@ -1,0 +1,139 @@
+"""``steerserve serve``'s options as the server's settings: checked, and the process prepared.
+
+Why here and not in the CLI: which dtype a CPU gets, eager vs compiled, the KV cache sizing rule,
+binding every core and the refusal of a bad A/B experiment before the engine starts are server
+decisions; a supervisor or a test that starts the server in-process builds the same settings
+with :func:`settings`. A bad option is an :class:`OptionError` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
+from steerserve.server.state import ServerSettings
+from steerserve.server.steering import DEFAULT_MODE, MODES
+
+logger = logging.getLogger(__name__)
+
+
+class OptionError(ValueError):
+    """A setting the server cannot start with, and the option (``param``) that says it (None:
+    the message names it)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ServeOptions:
+    """``steerserve serve``'s options as given (see cli.py for their help)."""
+
+    model: str = "default"
+    vectors_dir: str | None = None  # None: vectors/ of the source tree or image
+    host: str = "127.0.0.1"
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 1 << 30  # 0: vLLM sizes it from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enforce_eager: bool | None = None  # None: eager on CPU, compiled on GPU
+    api_key: str | None = None
+    steering: str = DEFAULT_MODE
+    served_model_name: str | None = None
+    log_level: str = "info"
+    drain_seconds: int = DRAIN_SECONDS
+    keep_alive_seconds: int = KEEP_ALIVE_SECONDS
+    open_admin: bool = False
+    ab_split: float = 0.0
+    ab_name: str = "default"
+    ab_log: str | None = None
+    ab_log_content: bool = False
+
+
+def check_experiment(split: float, name: str, log: str | None) -> None:
+    """Refuse a bad split or an unwritable log before the engine starts, naming the option."""
+    from steerserve.server.experiment import DecisionLog, Experiment
+
+    try:
+        Experiment(name, split)
+        DecisionLog(log).close()
+    except ValueError as e:
+        option = str(e).split(":", 1)[0]
+        raise OptionError(str(e).split(": ", 1)[-1], option) from None
+
+
+def _model_dir(model: str) -> Path:
+    from steerserve.models import resolve_model
+
+    try:
+        return Path(resolve_model(model))
+    except ValueError as e:
+        raise OptionError(str(e), "--model") from None
+
+
+def settings(opts: ServeOptions) -> ServerSettings:
+    """The settings of a server started from ``opts``, after checking them, configuring logging
+    at ``log_level`` and binding vLLM's CPU threads to every core (the environment is changed:
+    this prepares the process it runs in). The server exits on an engine failure."""
+    from steerserve.artifacts import default_vectors_dir
+
+    if opts.steering not in MODES:
+        raise OptionError(f"--steering must be off, on or auto, not {opts.steering!r}", None)
+    check_experiment(opts.ab_split, opts.ab_name, opts.ab_log)
+    logging.basicConfig(
+        level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return ServerSettings(
+        engine=_engine_config(opts, _model_dir(opts.model)),
+        vectors_dir=opts.vectors_dir or default_vectors_dir(),
+        served_model_name=opts.served_model_name,
+        api_key=opts.api_key or None,
+        steering=opts.steering,
+        drain_seconds=opts.drain_seconds,
+        keep_alive_seconds=opts.keep_alive_seconds,
+        host=opts.host,
+        open_admin=opts.open_admin,
+        exit_on_failure=True,
+        ab_split=opts.ab_split,
+        ab_name=opts.ab_name,
+        ab_log=opts.ab_log,
+        ab_log_content=opts.ab_log_content,
+    )
+
+
+def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (EngineConfig: lazy)
+    """The engine's config: dtype ``auto`` is float32 on a CPU without native bfloat16, eager on
+    CPU and compiled on GPU unless told, and every core bound for the CPU ranks."""
+    import torch
+
+    from steerserve.engine.api import EngineConfig
+    from steerserve.engine.cpu import bind_all_cores, serve_dtype
+
+    on_gpu = torch.cuda.is_available()
+    enforce_eager = (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager
+    if (chosen := serve_dtype(opts.dtype, on_gpu)) != opts.dtype:
+        logger.info("dtype auto: %s (no native bfloat16 on this CPU)", chosen)
+    ranks = opts.tensor_parallel_size * opts.pipeline_parallel_size
+    if bound := bind_all_cores(os.environ, on_gpu, ranks):
+        logger.info("VLLM_CPU_OMP_THREADS_BIND=%s (every core)", bound)
+    kv = opts.kv_cache_bytes
+    return EngineConfig(
+        model=str(model_dir),
+        dtype=chosen,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+        kv_cache_memory_bytes=kv or None,
+        gpu_memory_utilization=None if kv else opts.gpu_memory_utilization,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        pipeline_parallel_size=opts.pipeline_parallel_size,
+        distributed_executor_backend=opts.distributed_executor_backend,
+        enforce_eager=enforce_eager,
+    )
