@@ -351,6 +351,10 @@ def read_manifest(path: str | Path) -> Manifest:
         raw = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{p}: malformed manifest: invalid JSON: {e}") from None
+    except RecursionError:  # one crafted file must not break every scan of the directory
+        raise ArtifactError(f"{p}: malformed manifest: nested too deeply") from None
+    except OSError as e:
+        raise ArtifactError(f"{p}: unreadable: {e.strerror or e}") from None
     return parse_manifest(raw, str(p))
 
 

@@ -221,6 +221,86 @@ def test_d6_feedback_whose_log_write_fails_is_503(server: Server, http: httpx.Cl
     assert http.post("/v1/steering/feedback", json={"id": rid, "score": 1}).status_code == 200
 
 
+# --- artifacts the server must refuse -------------------------------------------------------------
+
+
+def _loud(root: Path, model: Path, name: str = "loud") -> Path:
+    """An artifact whose calibrated scale (1000) the engine refuses (its bound is 64)."""
+    path = make_artifact(root, model, "v1", name=name)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["interventions"][0]["scale"] = 1000.0
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_d4_d8_admin_skips_a_crafted_manifest_and_refuses_a_scale_the_engine_refuses(
+    http: httpx.Client, root: Path, tiny_llama: Path
+) -> None:
+    """Defect 4: a deeply nested manifest.json under the vectors directory is refused alone
+    (422 naming why, no server path), other loads still work; defect 8: an artifact whose
+    calibrated scale the engine refuses is a 422, never loaded (nor made the default)."""
+    junk = root / "vectors" / "junk" / "v1"
+    junk.mkdir(parents=True)
+    (junk / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    _loud(root / "vectors", tiny_llama)
+    try:
+        r = http.post("/v1/steering/vectors", json={"name": "tiny"})
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/steering/vectors", json={"name": "junk"})
+        assert r.status_code == 422 and "nested too deeply" in r.text, r.text
+        assert str(root) not in r.text
+        r = http.post("/v1/steering/vectors", json={"name": "loud", "default": True})
+        assert r.status_code == 422 and "scale 1000" in r.text, r.text
+        listing = http.get("/v1/steering/vectors").json()
+        assert listing["default"] == "tiny/v1" and "loud/v1" not in {
+            a["id"] for a in listing["data"]
+        }
+    finally:
+        for p in (junk, root / "vectors" / "loud" / "v1"):
+            for f in p.iterdir():
+                f.unlink()
+            p.rmdir()
+
+
+@pytest.mark.parametrize("case", ["nested manifest", "duplicate", "scale"])
+def test_d4_d8_start_refuses_before_the_engine_naming_the_folders(
+    tiny_llama: Path, tmp_path: Path, case: str
+) -> None:
+    """Defects 4 and 8 at start: a nested manifest, one name/version in two folders, or a
+    calibrated scale the engine refuses fail the start before the engine is built, with a
+    message naming the folders (not a traceback naming no file, 48 s later)."""
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    vectors = tmp_path / "vectors"
+    first = make_artifact(vectors, tiny_llama, "v1")
+    if case == "nested manifest":
+        (vectors / "deep" / "v1").mkdir(parents=True)
+        (vectors / "deep" / "v1" / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+        names = [str(vectors / "deep" / "v1"), "nested too deeply"]
+    elif case == "duplicate":
+        copy = vectors / "copy" / "v1"
+        copy.mkdir(parents=True)
+        for f in first.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        names = [str(first), str(copy), "tiny/v1 is in more than one folder"]
+    else:
+        names = [str(_loud(vectors, tiny_llama)), "scale 1000"]
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
+    )
+    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors)))
+    srv = Server(app)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            srv.start(timeout=60)
+        for name in names:
+            assert name in str(e.value), str(e.value)
+        assert app.state.steer.backend._build is None  # refused before the engine was built
+    finally:
+        srv.stop()
+
+
 # --- the bounded fuzz test: 0 x 5xx ---------------------------------------------------------------
 
 FUZZ_BODIES = 2200  # across the five POST routes; GET routes are called between them

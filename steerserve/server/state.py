@@ -32,6 +32,7 @@ from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
 from steerserve.server.steering import DEFAULT_MODE, MODES
+from steerserve.server.vetting import check_artifacts, duplicate_refusal, scale_refusal
 
 logger = logging.getLogger("steerserve.server")
 
@@ -129,7 +130,8 @@ class ServerState:
         :func:`newest_first` becomes the default), fall back to ``off`` without one."""
         try:
             found = await asyncio.to_thread(self._scan) if self.backend.cfg.steering else []
-            check_artifacts(found)  # before the engine: a refusal costs no engine start
+            # before the engine: a refusal costs no engine start
+            check_artifacts(found, self.settings.engine.max_abs_scale)
             if self.experiment is not None and not any(s.artifact for s in found):
                 raise RuntimeError(
                     f"--ab-split {self.experiment.split}: no steering artifact for this model "
@@ -281,29 +283,22 @@ class ServerState:
                 code="artifact_not_found",
             )
         newest = max(found, key=lambda s: version_key(s.version))
-        if newest.artifact is None:
-            raise ApiError(
-                f"name: {newest.name}/{newest.version} cannot be loaded: {newest.refused}",
+        same = [s for s in found if (s.name, s.version) == (newest.name, newest.version)]
+        why = newest.refused
+        if len(same) > 1:
+            why = duplicate_refusal(same)
+        elif newest.artifact is not None:
+            why = scale_refusal(newest.artifact, self.settings.engine.max_abs_scale)
+        if why or newest.artifact is None:
+            root = str(Path(self.settings.vectors_dir or ".").resolve())
+            raise ApiError(  # paths relative to the vectors directory: the server's are its own
+                f"name: {newest.name}/{newest.version} cannot be loaded: "
+                + str(why).replace(root + "/", ""),
                 status=422,
                 param="name",
                 code="artifact_refused",
             )
         return newest.artifact
-
-
-def check_artifacts(found: list[Scanned]) -> None:
-    """Every artifact made for this model must verify: one that does not (corrupt manifest or
-    tensors, sha256 mismatch...) stops the start, under every policy, since serving on would
-    silently answer without the steering asked for, or with an older version of it. Artifacts
-    bound to other models are skipped."""
-    bad = [s for s in found if s.refused and not s.other_model]
-    if bad:
-        raise RuntimeError(
-            "artifacts failed verification: " + "; ".join(f"{s.path}: {s.refused}" for s in bad)
-        )
-    for s in found:
-        if s.other_model:
-            logger.info("skipping %s: %s", s.path, s.refused)
 
 
 def _admin_refusal(settings: ServerSettings) -> str | None:

@@ -1,0 +1,53 @@
+"""Vetting the artifacts a server would serve, before it serves them: each must verify, fit the
+engine's scale bound and own its name/version alone. One place for these rules, used at start
+(before the engine, so a refusal costs no engine start) and by the admin load."""
+
+from __future__ import annotations
+
+import logging
+
+from steerserve.artifacts import Artifact, Scanned
+
+logger = logging.getLogger("steerserve.server")
+
+
+def check_artifacts(found: list[Scanned], max_abs_scale: float) -> None:
+    """Every artifact made for this model must verify and fit the engine: one that does not
+    (corrupt manifest or tensors, sha256 mismatch, a calibrated scale the engine refuses, two
+    folders with one name/version) stops the start, under every policy, since serving on would
+    silently answer without the steering asked for, or with an older version of it. Artifacts
+    bound to other models are skipped."""
+    mine = [s for s in found if not s.other_model]
+    bad = [f"{s.path}: {s.refused}" for s in mine if s.refused]
+    bad += [
+        f"{s.path}: {why}"
+        for s in mine
+        if s.artifact is not None and (why := scale_refusal(s.artifact, max_abs_scale))
+    ]
+    keys: dict[tuple[str, str], list[Scanned]] = {}
+    for s in mine:
+        keys.setdefault((s.name, s.version), []).append(s)
+    bad += [duplicate_refusal(same) for same in keys.values() if len(same) > 1]
+    if bad:
+        raise RuntimeError("artifacts failed verification: " + "; ".join(bad))
+    for s in found:
+        if s.other_model:
+            logger.info("skipping %s: %s", s.path, s.refused)
+
+
+def scale_refusal(art: Artifact, max_abs_scale: float) -> str | None:
+    """Why the engine would refuse an artifact's calibrated entries (every ``true``/``auto``
+    request would then be a 400 blaming its client), or None."""
+    for iv in art.manifest.interventions:
+        if abs(iv.scale) > max_abs_scale:
+            return (
+                f"intervention {iv.name!r} has scale {iv.scale:g}, outside the engine's "
+                f"[-{max_abs_scale:g}, {max_abs_scale:g}] (EngineConfig.max_abs_scale)"
+            )
+    return None
+
+
+def duplicate_refusal(same: list[Scanned]) -> str:
+    """Two folders claiming one name/version: which one is served would depend on path order."""
+    folders = " and ".join(str(s.path) for s in same)
+    return f"{same[0].name}/{same[0].version} is in more than one folder: {folders}"
