@@ -17,7 +17,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from steerserve.server.experiment import STEERED, UNSTEERED
+from steerserve.engine.spec import finite_number
+from steerserve.server.experiment import STEERED, UNSTEERED, check_score
 
 #: Fewer scored replies than this in either arm: no winner is called.
 MIN_SCORED = 30
@@ -37,32 +38,61 @@ class Row:
 
 
 def read_log(path: str | Path) -> list[Row]:
-    """Decisions joined with their feedback by completion id; torn lines are skipped."""
+    """Decisions joined with their feedback by completion id (see :func:`scan_log`)."""
+    return scan_log(path)[0]
+
+
+def scan_log(path: str | Path) -> tuple[list[Row], int]:
+    """Decisions joined with their feedback by completion id (an answer's last score counts),
+    and how many lines were skipped as unreadable: not JSON (a torn last line after a crash),
+    or a record whose fields have the wrong types or a score outside the server's range."""
     rows: dict[str, Row] = {}
     scores: dict[str, float] = {}
+    skipped = 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict) or "id" not in rec:
-                continue
-            rid = str(rec["id"])
-            if rec.get("type") == "decision":
-                rows[rid] = Row(
-                    rid,
-                    rec.get("experiment"),
-                    rec.get("arm"),
-                    rec.get("language"),
-                    rec.get("latency_ms"),
-                )
-            elif rec.get("type") == "feedback" and isinstance(rec.get("score"), int | float):
-                scores[rid] = float(rec["score"])
+            except (ValueError, RecursionError):
+                if not line.endswith("\n"):
+                    continue  # a torn last line after a crash: expected, not counted
+                rec = None
+            kind = rec.get("type") if isinstance(rec, dict) else None
+            if kind == "decision" and (row := _decision(rec)) is not None:
+                rows[row.id] = row
+            elif kind == "feedback" and (score := _score(rec)) is not None:
+                scores[rec["id"]] = score
+            else:
+                skipped += 1
     for rid, s in scores.items():
         if rid in rows:
             rows[rid].score = s
-    return list(rows.values())
+    return list(rows.values()), skipped
+
+
+def _decision(rec: dict[str, Any]) -> Row | None:
+    """A decision line as a :class:`Row`, or None when a field has the wrong type."""
+    rid, latency = rec.get("id"), rec.get("latency_ms")
+    names = [rec.get(k) for k in ("experiment", "arm", "language")]
+    if not isinstance(rid, str) or not all(v is None or isinstance(v, str) for v in names):
+        return None
+    if latency is not None and (finite_number(latency) is None or latency < 0):
+        return None
+    ms = None if latency is None else float(latency)
+    return Row(rid, names[0], names[1], names[2], ms)
+
+
+def _score(rec: dict[str, Any]) -> float | None:
+    """A feedback line's score, or None (no string id; not a number in the server's range:
+    a ``true``, a NaN, a -1e308 a server before bounds took)."""
+    if not isinstance(rec.get("id"), str):
+        return None
+    try:
+        return check_score(rec.get("score"))
+    except ValueError:
+        return None
 
 
 def mean_ci(values: Sequence[float]) -> dict[str, Any]:
@@ -140,11 +170,13 @@ def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
     }
 
 
-def build_report(rows: Sequence[Row], min_n: int = MIN_SCORED) -> dict[str, Any]:
-    """The report of every experiment in ``rows``, overall and per detected language."""
+def build_report(rows: Sequence[Row], min_n: int = MIN_SCORED, skipped: int = 0) -> dict[str, Any]:
+    """The report of every experiment in ``rows``, overall and per detected language
+    (``skipped``: unreadable lines of the log, said in the report)."""
     enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
     out: dict[str, Any] = {
         "requests": len(rows),
+        "skipped_lines": skipped,
         "not_enrolled": len(rows) - len(enrolled),
         "min_scored_per_arm": min_n,
         "experiments": {},
@@ -192,6 +224,8 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         f"explicit steering, or no experiment). A winner needs {rep['min_scored_per_arm']} "
         "scored replies per arm and a 95 % CI of the difference that excludes 0.",
     ]
+    if rep.get("skipped_lines"):
+        lines += ["", f"{rep['skipped_lines']} unreadable line(s) of the log skipped."]
     if not rep["experiments"]:
         lines += ["", "No enrolled requests in this log."]
     for name, exp in rep["experiments"].items():
@@ -215,7 +249,8 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
 def report(path: str | Path, min_n: int = MIN_SCORED) -> dict[str, Any]:
     """The report of the decision log at ``path``: what ``steerserve ab-report`` prints and the
     server's ``/experiments`` page shows (one code path for both)."""
-    return build_report(read_log(path), min_n=min_n)
+    rows, skipped = scan_log(path)
+    return build_report(rows, min_n=min_n, skipped=skipped)
 
 
 #: The formats :func:`render` writes, and their media types.
@@ -227,12 +262,23 @@ def render(rep: Mapping[str, Any], fmt: str) -> bytes:
     if fmt == "md":
         return report_markdown(rep).encode()
     if fmt == "json":
-        return (json.dumps(rep, indent=2) + "\n").encode()
+        return (json.dumps(_finite(rep), indent=2, allow_nan=False) + "\n").encode()
     if fmt == "png":
         buf = io.BytesIO()
         plot(rep, buf)
         return buf.getvalue()
     raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with non-finite floats as None: JSON has no NaN or Infinity."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, Mapping):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    return v
 
 
 def plot(rep: Mapping[str, Any], path: str | Path | IO[bytes]) -> None:

@@ -183,10 +183,15 @@ def ab_report(
 
     if not log.is_file():
         raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
+    if out is not None and out.exists() and not out.is_dir():
+        raise typer.BadParameter(f"{out} exists and is not a folder", param_hint="--out")
     rep = report(log, min_n=min_scored)
     typer.echo(report_markdown(rep), nl=False)
     if out is not None:
         typer.echo(f"\nwrote {write_report(rep, out)} (+ report.json, report.png)")
+    if rep["skipped_lines"]:  # the report stands on the rest, but the log needs a look
+        typer.echo(f"{rep['skipped_lines']} unreadable line(s) of {log} skipped", err=True)
+        raise typer.Exit(1)
 
 
 # --- vectors: inspect and verify artifacts ------------------------------------------------------

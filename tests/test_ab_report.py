@@ -65,3 +65,48 @@ def test_small_or_equal_samples_call_no_winner(tmp_path: Path) -> None:
     assert build_report(read_log(path))["experiments"]["e1"]["overall"]["verdict"].startswith(
         "no significant difference"
     )
+
+
+def test_d7_corrupted_lines_are_skipped_counted_and_the_report_stays_json(tmp_path: Path) -> None:
+    """Issue 21, defect 7: ``steerserve ab-report`` on a log with corrupted lines (language or
+    experiment as a number or a list, a string latency, NaN, ``true`` and out-of-range scores,
+    non-JSON) reports on the rest, says how many it skipped and exits 1; ``--out`` naming an
+    existing file is refused as a usage error; report.json is valid JSON."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    path = tmp_path / "ab.jsonl"
+    _log(path, 200, 0.7, 0.5)
+    good = path.read_text().rsplit("\n", 1)[0] + "\n"  # without the torn last line
+    bad = [
+        {"type": "decision", "id": "b1", "experiment": "e1", "arm": "steered", "language": 7},
+        {"type": "decision", "id": "b2", "experiment": ["e1"], "arm": "steered"},
+        {"type": "decision", "id": "b3", "experiment": "e1", "arm": "x", "language": ["ja"]},
+        {"type": "decision", "id": "b4", "experiment": "e1", "arm": "steered", "latency_ms": "9"},
+        {"type": "feedback", "id": "chatcmpl-1", "score": True},
+        {"type": "feedback", "id": "chatcmpl-1", "score": -1e308},
+        {"type": "feedback", "id": "chatcmpl-3", "score": "1"},
+    ]
+    lines = [json.dumps(x) for x in bad] + [
+        '{"type": "feedback", "id": "chatcmpl-5", "score": NaN}'
+    ]
+    lines += ["not json", "[1, 2]"]
+    path.write_text(good + "\n".join(lines) + "\n")
+    runner = CliRunner()
+    out = runner.invoke(app, ["ab-report", str(path), "--out", str(tmp_path / "r")])
+    assert out.exit_code == 1, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception
+    assert f"{len(lines)} unreadable line(s)" in out.output, out.output
+    assert "nan" not in out.output.lower() and "inf" not in out.output.lower(), out.output
+    rep = json.loads((tmp_path / "r" / "report.json").read_text(), parse_constant=_refuse)
+    assert rep["skipped_lines"] == len(lines) and rep["requests"] == 201
+    scores = rep["experiments"]["e1"]["overall"]["arms"]["steered"]["score"]
+    assert scores["n"] == 100  # chatcmpl-1's scores of true and -1e308 were not taken
+    (tmp_path / "file").write_text("")
+    out = runner.invoke(app, ["ab-report", str(path), "--out", str(tmp_path / "file")])
+    assert out.exit_code == 2 and "is not a folder" in out.output, out.output
+
+
+def _refuse(name: str) -> None:
+    raise AssertionError(f"{name} in report.json")
