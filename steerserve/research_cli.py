@@ -522,6 +522,41 @@ def _facts_langs() -> tuple[str, ...]:
     return LANGS
 
 
+def translation_vector(
+    out: Path = typer.Option(
+        ..., help="The artifact folder to write, ROOT/NAME/VERSION (VERSION: the folder's name)."
+    ),
+    model: str = typer.Option("default", help=_MODEL_HELP),
+    layer: int = typer.Option(..., help="The block whose output the vector is added to."),
+    scale: float = typer.Option(0.5, help="Times the raw difference (raw units)."),
+    langs: str = typer.Option("ja,ko,zh", help="Languages the train facts are pooled over."),
+    form: str = typer.Option("auto", help=_FORM_HELP + " (by the model's name)."),
+    means: Path | None = typer.Option(
+        None, help="Kept group means (torch file): reused when present, else computed and kept."
+    ),
+    name: str = typer.Option("", help="The artifact's name (default: the model folder's name)."),
+    description: str = typer.Option("", help="The manifest's description."),
+    calibration: Path | None = typer.Option(
+        None, help="JSON object copied into the manifest: how the setting was chosen, checked."
+    ),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
+) -> None:
+    """Build a one-intervention artifact: the translation difference vector (zero-shot
+    'Translate into <lang>' minus zero-shot questions, last prompt token) at one block."""
+    from steerserve.research import translation_artifact as ta
+
+    try:
+        cal = ta.read_calibration(calibration)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--calibration") from None
+    cfg = ta.TranslationArtifactConfig(
+        _resolve_model(model), out, layer, scale, _strs(langs), form, means, name or None,
+        description, cal, threads=threads, overwrite=overwrite,
+    )  # fmt: skip
+    _research(ta.run, cfg)
+
+
 #: (command name, function) in the order ``steerserve --help`` lists them.
 COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("extract", extract),
@@ -533,4 +568,5 @@ COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("audit-sample", audit_sample),
     ("audit-score", audit_score),
     ("analyze", analyze),
+    ("translation-vector", translation_vector),
 )
