@@ -301,6 +301,36 @@ def test_d4_d8_start_refuses_before_the_engine_naming_the_folders(
         srv.stop()
 
 
+# --- cosmetics ------------------------------------------------------------------------------------
+
+
+def test_d13_schema_integers_head_health_unknown_fields_and_nan(http: httpx.Client) -> None:
+    """Defect 13: ``2.0`` where /openapi.json says integer is taken as 2 (``2.5`` is not);
+    ``HEAD /health`` answers; an unknown capitalised field is named; a NaN temperature is
+    refused as not finite (not as "should be <= 2")."""
+    r = http.post("/v1/chat/completions", json=chat_body("hi", n=2.0, max_tokens=1.0, seed=3.0))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    r = http.post("/v1/chat/completions", json=chat_body("hi", n=2.5))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1.0})
+    assert r.status_code == 200, r.text
+    assert http.head("/health").status_code == 200
+    r = http.post("/v1/chat/completions", json=chat_body("hi", Temperature=1))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "Temperature", r.text
+    assert "Temperature" in r.json()["error"]["message"]
+    body = json.dumps(chat_body("hi"))[:-1] + ', "temperature": NaN}'
+    r = http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "finite" in r.json()["error"]["message"], r.text
+
+
+def test_d9_artifact_name_with_a_trailing_newline_is_refused(http: httpx.Client) -> None:
+    """Defect 9 (part): ``"tiny\\n"`` is not an artifact name (the check's ``$`` let it by)."""
+    r = http.post("/v1/steering/vectors", json={"name": "tiny\n"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+
+
 # --- the bounded fuzz test: 0 x 5xx ---------------------------------------------------------------
 
 FUZZ_BODIES = 2200  # across the five POST routes; GET routes are called between them

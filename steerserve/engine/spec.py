@@ -107,6 +107,8 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
     if not isinstance(vec, str) or not vec:
         raise SteeringError(f"{field}.vector", "must be the name of a registered vector")
     layer = item.get("layer")
+    if isinstance(layer, float) and layer.is_integer():  # 2.0: an integer to JSON Schema
+        layer = int(layer)
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise SteeringError(f"{field}.layer", f"must be an integer, got {short_repr(layer)}")
     if not -(2**31) <= layer < 2**31:

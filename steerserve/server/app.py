@@ -148,7 +148,7 @@ def _errors(app: FastAPI) -> None:
 def _ops_router() -> APIRouter:
     r = APIRouter()
 
-    @r.get("/health")
+    @r.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> JSONResponse:
         """Liveness: 200 while the process serves (also while loading); 503 once the engine
         has died or failed to load, so an orchestrator restarts the process."""

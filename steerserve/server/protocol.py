@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -88,6 +89,18 @@ def _needs(field: str, condition: str) -> PydanticCustomError:
     )
 
 
+def _integral(v: Any) -> Any:
+    """``2.0`` as ``2``: JSON Schema's ``integer`` (what /openapi.json publishes) includes it,
+    so a client that validates against the document must not be refused; ``2.5`` stays wrong."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+#: An integer field of a request (see :func:`_integral`).
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -130,15 +143,15 @@ class ChatMessage(BaseModel):
 
 class _Sampling(_Request):
     model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: Int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension: useful for benchmarks and tests
     steering: Steering = Field(None, description=STEERING_DOC)
@@ -164,10 +177,10 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
@@ -181,8 +194,8 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: None = None
 
@@ -404,12 +417,14 @@ _TAG = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
 UNKNOWN_STEERING_FIELD = "unknown field (use 'interventions' or 'entries')"
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
+def _param(loc: tuple[Any, ...], field_last: bool = False) -> str | None:
+    """The dotted field of a location, union tags left out; ``field_last``: its last part is a
+    field name even when it looks like a tag (an unknown field ``Temperature``)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not _TAG.match(str(part)):
+        elif not _TAG.match(str(part)) or (field_last and i == len(loc) - 1):
             out += ("." if out else "") + str(part)
     return out or None
 
@@ -418,7 +433,8 @@ def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
     """One pydantic error as a 400 naming its field (``prefix`` + its location, extended by a
     field our validators carry)."""
     loc = (*prefix, *err.get("loc", ()))
-    param = (_param(loc) or "") + str((err.get("ctx") or {}).get("field", "")) or None
+    unknown = err["type"] == "extra_forbidden"
+    param = (_param(loc, unknown) or "") + str((err.get("ctx") or {}).get("field", "")) or None
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = (

@@ -252,7 +252,7 @@ class ServerState:
             raise ApiError(self.admin_refusal, status=403, code="admin_disabled")
         if not self.ready:
             raise ApiError("the engine is still loading", status=503, type="service_unavailable")
-        if not _ARTIFACT_REF.match(ref) or ".." in ref:
+        if not _ARTIFACT_REF.fullmatch(ref) or ".." in ref:  # fullmatch: "$" allows a "\n"
             raise ApiError(
                 "name: must be an artifact name, optionally /version (never a path)", param="name"
             )
