@@ -381,3 +381,39 @@ def test_d2_drain_deadline_or_second_signal_answers_every_request(
         assert "8 request(s) dropped" in log, log[-3000:]
         assert "Traceback" not in log and "already running" not in log, log[-3000:]
         assert srv.survivors(30) == [], log[-3000:]
+
+
+def test_d10_sigterm_while_the_engine_loads_exits_0(tiny_llama: Path, tmp_path: Path) -> None:
+    """Issue 21, defect 10: SIGTERM to the group while the engine is still loading (liveness
+    up, readiness "loading") is a stop, not an engine failure: exit 0, no "engine failed to
+    load", no process left."""
+    srv = Serve(tiny_llama, tmp_path)
+    log = srv.log_path.open("w")
+    srv.proc = subprocess.Popen(
+        [sys.executable, "-m", "steerserve", "serve"],
+        env=srv.env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.tail()
+            try:
+                ready = httpx.get(f"{srv.url}/ready", timeout=2)
+                if ready.status_code == 503 and ready.json()["status"] == "loading":
+                    break
+                assert ready.status_code != 200, "loaded before the signal could be sent"
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        srv.family = [psutil.Process(srv.proc.pid)]
+        srv.family += srv.family[0].children(recursive=True)
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(90) == 0, srv.tail()  # ~40 s here: see the issue's defect 11
+        assert "engine failed to load" not in srv.tail(100_000), srv.tail()
+        assert srv.survivors(30) == [], srv.tail()
+    finally:
+        srv.stop()

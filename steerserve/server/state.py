@@ -170,6 +170,9 @@ class ServerState:
         except asyncio.CancelledError:
             raise
         except BaseException as e:
+            if self.stopping:  # a signal stopped EngineCore's start too: a stop, not a failure
+                logger.info("stopped while the engine was loading (%s)", e)
+                return
             self.load_error = e
             logger.exception("engine failed to load%s", self._exit())
 
