@@ -65,6 +65,20 @@ class VectorRegistry:
         self._vectors[name] = rv
         return rv
 
+    def admit(self, rv: RegisteredVector) -> RegisteredVector:
+        """Add a vector another registry of the same hidden size already checked (and hashed):
+        the server checks a vector aside, sends it to the workers, then admits it here, so its
+        data is hashed once, not again. Same name, other data: refused as :meth:`add` does."""
+        if self.hidden_size is not None and rv.tensor.numel() != self.hidden_size:
+            raise ValueError(f"vector {rv.name!r}: checked for another hidden size")
+        old = self._vectors.get(rv.name)
+        if old is not None:
+            if old.sha256 != rv.sha256:
+                raise ValueError(f"vector {rv.name!r} is already registered with different data")
+            return old
+        self._vectors[rv.name] = rv
+        return rv
+
     def __contains__(self, name: object) -> bool:
         return name in self._vectors
 

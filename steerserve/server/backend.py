@@ -103,7 +103,7 @@ class Backend:
                 return self.registry.add(name, tensor, source)  # same data: no-op; else refused
             rv = VectorRegistry(self.shape.hidden_size).add(name, tensor, source)
             await self.llm.collective_rpc("steer_register", args=vector_payload(rv))
-            return self.registry.add(name, rv.tensor, source)
+            return self.registry.admit(rv)  # checked and hashed above: not again
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the tokenizer's thread (templates, tokenization, decoding)."""
