@@ -12,6 +12,7 @@ artifact (one intervention, scale 1) that records its training facts, objective 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -125,24 +126,44 @@ class Steered:
         self._handle.remove()
 
 
-def _batch(items: Sequence[Item], pad: int) -> tuple[dict[str, Any], torch.Tensor, list]:
-    """Left-padded inputs (logits kept only for the last columns, where the gold is), the
-    steering mask, and each row's (gold positions among the kept columns, gold ids)."""
-    b = left_padded([it.ids for it in items], pad)
-    width = b.ids.shape[1]
-    keep = max(len(it.ids) - it.gold_from + 1 for it in items)
-    mask = torch.zeros(len(items), width, 1)
-    targets = []
-    for r, it in enumerate(items):
-        off = width - len(it.ids)
-        mask[r, off + it.steer_from :] = 1.0
-        first = off + it.gold_from - 1 - (width - keep)
-        targets.append(
-            (list(range(first, first + len(it.ids) - it.gold_from)), it.ids[it.gold_from :])
-        )
-    inputs = {"input_ids": b.ids, "attention_mask": b.mask, "position_ids": b.positions,
-              "logits_to_keep": keep}  # fmt: skip
-    return inputs, mask, targets
+@dataclass
+class Prepared:
+    """A fixed batch: the KV cache of its prompts but their last token (computed once, no
+    gradient: the vector starts at the last prompt token, so nothing before it changes), and the
+    suffix every step runs with the vector (last prompt token, own prefix, gold)."""
+
+    items: list[Item]
+    cache: Any
+    ids: torch.Tensor  # [B, S] suffix, right-padded
+    mask: torch.Tensor  # [B, P + S] attention mask over cached prompt and suffix
+    pos: torch.Tensor  # [B, S]
+    steer: torch.Tensor  # [B, S, 1] the suffix's real tokens
+    targets: list[tuple[list[int], list[int]]]  # per row: suffix positions predicting gold, ids
+
+
+def prepare(model: Any, items: Sequence[Item], batch_size: int, pad: int) -> list[Prepared]:
+    """``items`` in fixed batches, their prompt KV computed once."""
+    out = []
+    for i in range(0, len(items), batch_size):
+        part = list(items[i : i + batch_size])
+        b = left_padded([it.ids[: it.steer_from] for it in part], pad)
+        with torch.no_grad():
+            cache = model.model(input_ids=b.ids, attention_mask=b.mask, position_ids=b.positions,
+                                use_cache=True).past_key_values  # fmt: skip
+        suffix = [it.ids[it.steer_from :] for it in part]
+        width = max(map(len, suffix))
+        ids = torch.full((len(part), width), pad, dtype=torch.long)
+        steer = torch.zeros(len(part), width, 1)
+        targets = []
+        for r, (it, suf) in enumerate(zip(part, suffix, strict=True)):
+            ids[r, : len(suf)] = torch.tensor(suf)
+            steer[r, : len(suf)] = 1.0
+            g = it.gold_from - it.steer_from
+            targets.append((list(range(g - 1, len(suf) - 1)), suf[g:]))
+        pos = b.mask.sum(1, keepdim=True) + torch.arange(width)
+        mask = torch.cat([b.mask, steer[..., 0].long()], 1)
+        out.append(Prepared(part, cache, ids, mask, pos, steer, targets))
+    return out
 
 
 def gold_logp(logits: torch.Tensor, targets: Sequence[tuple[list[int], list[int]]]) -> torch.Tensor:
@@ -154,13 +175,14 @@ def gold_logp(logits: torch.Tensor, targets: Sequence[tuple[list[int], list[int]
     return torch.stack(out)
 
 
-def _forward(model: Any, hook: Steered, items: Sequence[Item], v: torch.Tensor | None):
-    inputs, mask, targets = _batch(items, hook.pad)
-    hook.v, hook.mask = v, mask
-    return model(**inputs).logits, targets
+def _forward(model: Any, hook: Steered, batch: Prepared, v: torch.Tensor | None) -> torch.Tensor:
+    """Logits of the batch's suffix with ``v`` added at every suffix token (None: unsteered)."""
+    hook.v, hook.mask = v, batch.steer
+    return model(input_ids=batch.ids, attention_mask=batch.mask, position_ids=batch.pos,
+                 past_key_values=copy.deepcopy(batch.cache), use_cache=True).logits  # fmt: skip
 
 
-def mean_norm(model: Any, hook: Steered, items: Sequence[Item], batch_size: int) -> float:
+def mean_norm(model: Any, hook: Steered, batches: Sequence[Prepared]) -> float:
     """The block's mean residual norm over the steered positions (the natural unit)."""
     norms: list[torch.Tensor] = []
 
@@ -171,29 +193,28 @@ def mean_norm(model: Any, hook: Steered, items: Sequence[Item], batch_size: int)
     total, n = 0.0, 0
     try:
         with torch.no_grad():
-            for i in range(0, len(items), batch_size):
-                part = items[i : i + batch_size]
+            for b in batches:
                 norms.clear()
-                _forward(model, hook, part, None)
-                mask = hook.mask
-                assert mask is not None
-                sel = norms[0][mask[..., 0] > 0]
+                _forward(model, hook, b, None)
+                sel = norms[0][b.steer[..., 0] > 0]
                 total, n = total + float(sel.sum()), n + sel.numel()
     finally:
         h.remove()
     return total / max(n, 1)
 
 
-def english_reference(model: Any, hook: Steered, items: Sequence[Item], k: int) -> list:
-    """Per English item, the unsteered top-``k`` tokens and probabilities at its gold positions
-    (what the KL term keeps)."""
+def english_reference(model: Any, hook: Steered, batches: Sequence[Prepared], k: int) -> list:
+    """Per English batch and row, the unsteered top-``k`` tokens and probabilities at its gold
+    positions (what the KL term keeps)."""
     refs = []
     with torch.no_grad():
-        for it in items:
-            logits, targets = _forward(model, hook, [it], None)
-            probs = torch.softmax(logits[0, targets[0][0]].float(), -1)
-            top = probs.topk(k, -1)
-            refs.append((top.indices, top.values / top.values.sum(-1, keepdim=True)))
+        for b in batches:
+            logits = _forward(model, hook, b, None)
+            rows = []
+            for r, (pos, _) in enumerate(b.targets):
+                top = torch.softmax(logits[r, pos].float(), -1).topk(k, -1)
+                rows.append((top.indices, top.values / top.values.sum(-1, keepdim=True)))
+            refs.append(rows)
     return refs
 
 
@@ -206,13 +227,10 @@ def kl_english(logits: torch.Tensor, targets: Sequence, refs: Sequence) -> torch
     return torch.stack(out).mean()
 
 
-def validate(model: Any, hook: Steered, items: Sequence[Item], v: torch.Tensor, bs: int) -> float:
-    """Mean gold log P of ``items`` with ``v`` added (no gradient)."""
-    vals = []
+def validate(model: Any, hook: Steered, batches: Sequence[Prepared], v: torch.Tensor) -> float:
+    """Mean gold log P over ``batches`` with ``v`` added (no gradient)."""
     with torch.no_grad():
-        for i in range(0, len(items), bs):
-            logits, targets = _forward(model, hook, items[i : i + bs], v)
-            vals.append(gold_logp(logits, targets))
+        vals = [gold_logp(_forward(model, hook, b, v), b.targets) for b in batches]
     return float(torch.cat(vals).mean())
 
 
@@ -231,24 +249,28 @@ def train(
         p.requires_grad_(False)
     rng = random.Random(cfg.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    shuffled = list(train_items)
+    rng.shuffle(shuffled)  # fixed batches mixing languages and relations
     with Steered(model, cfg.layer, pad) as hook:
-        unit = mean_norm(model, hook, train_items, cfg.batch_size)
-        refs = english_reference(model, hook, english, cfg.top_k) if english else []
-        size = model.config.get_text_config().hidden_size
-        v = torch.zeros(size, requires_grad=True)
+        tr = prepare(model, shuffled, cfg.batch_size, pad)
+        val = prepare(model, val_items, cfg.batch_size, pad)
+        en = prepare(model, english, max(1, cfg.batch_size // 4), pad) if english else []
+        unit = mean_norm(model, hook, tr)
+        refs = english_reference(model, hook, en, cfg.top_k)
+        v = torch.zeros(model.config.get_text_config().hidden_size, requires_grad=True)
         opt = torch.optim.Adam([v], lr=cfg.lr * unit)
         curve, best, stale = Curve(), v.detach().clone(), 0
-        curve.best_val = validate(model, hook, val_items, v.detach(), cfg.batch_size)
+        curve.best_val = validate(model, hook, val, v.detach())
         curve.val.append((0, curve.best_val))
         t0 = time.perf_counter()
         for step in range(1, cfg.steps + 1):
-            part = rng.sample(list(train_items), min(cfg.batch_size, len(train_items)))
-            logits, targets = _forward(model, hook, part, v)
-            loss = -gold_logp(logits, targets).mean()
-            if english and cfg.kl_weight:
-                pick = rng.sample(range(len(english)), min(4, len(english)))
-                lg, tg = _forward(model, hook, [english[i] for i in pick], v)
-                loss = loss + cfg.kl_weight * kl_english(lg, tg, [refs[i] for i in pick])
+            b = tr[rng.randrange(len(tr))]
+            loss = -gold_logp(_forward(model, hook, b, v), b.targets).mean()
+            if en and cfg.kl_weight:
+                j = rng.randrange(len(en))
+                loss = loss + cfg.kl_weight * kl_english(
+                    _forward(model, hook, en[j], v), en[j].targets, refs[j]
+                )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -258,12 +280,17 @@ def train(
                     v.mul_(cap / float(v.norm()))
             curve.loss.append(float(loss.detach()))
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                val = validate(model, hook, val_items, v.detach(), cfg.batch_size)
-                curve.val.append((step, val))
-                log(f"step {step}: loss {float(loss):.3f}, val log P {val:.3f}, |v|/unit "
+                score = validate(model, hook, val, v.detach())
+                curve.val.append((step, score))
+                log(f"step {step}: loss {curve.loss[-1]:.3f}, val log P {score:.3f}, |v|/unit "
                     f"{float(v.norm()) / unit:.3f}, {time.perf_counter() - t0:.0f} s")  # fmt: skip
-                if val > curve.best_val:
-                    curve.best_val, curve.best_step, best, stale = val, step, v.detach().clone(), 0
+                if score > curve.best_val:
+                    curve.best_val, curve.best_step, best, stale = (
+                        score,
+                        step,
+                        v.detach().clone(),
+                        0,
+                    )
                 else:
                     stale += 1
                     if stale >= cfg.patience:

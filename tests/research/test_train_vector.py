@@ -56,20 +56,29 @@ def test_training_sets_are_checked() -> None:
         tv.check_training_set(few)
 
 
-def test_the_hook_adds_from_the_last_prompt_token(tiny_gemma: Path) -> None:
+def test_cached_prompt_equals_a_full_forward(tiny_gemma: Path) -> None:
+    """The vector from the last prompt token on, over a cached prompt, gives the logits of a
+    full forward with the same addition; and it changes them (the test can fail)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_gemma, dtype=torch.float32).eval()
-    it = tv.Item("x", "ja", [5, 6, 7, 8, 9, 10], steer_from=2, gold_from=4)
-    seen = []
-    with tv.Steered(model, 0, pad=0) as hook:
-        h = hook.block.register_forward_hook(lambda m, a, o: seen.append(o))
-        try:
-            tv._forward(model, hook, [it], torch.ones(model.config.hidden_size))
-            tv._forward(model, hook, [it], None)
-        finally:
-            h.remove()
-    steered = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
-    plain = seen[1][0] if isinstance(seen[1], tuple) else seen[1]
-    diff = (steered - plain).abs().sum(-1)[0]
-    assert torch.all(diff[:2] == 0) and torch.all(diff[2:] > 0)
+    items = [
+        tv.Item("a", "ja", [5, 6, 7, 8, 9, 10], steer_from=3, gold_from=5),
+        tv.Item("b", "ja", [11, 12, 13, 14, 15, 16, 17, 18], steer_from=4, gold_from=7),
+    ]
+    v = torch.randn(model.config.hidden_size)
+    with tv.Steered(model, 1, pad=0) as hook:
+        (batch,) = tv.prepare(model, items, 2, pad=0)
+        cached = tv._forward(model, hook, batch, v)
+        plain = tv._forward(model, hook, batch, None)
+        for r, it in enumerate(items):
+            ids = torch.tensor([it.ids])
+            hook.v = v
+            hook.mask = torch.zeros(1, len(it.ids), 1)
+            hook.mask[0, it.steer_from :] = 1.0
+            with torch.no_grad():
+                full = model(input_ids=ids).logits[0, it.steer_from :]
+            n = len(it.ids) - it.steer_from
+            assert torch.allclose(cached[r, :n], full, atol=1e-4)
+        assert not torch.allclose(cached, plain, atol=1e-3)
+    assert batch.targets[1] == ([2], [18])  # gold ids[7] = 18, predicted from suffix index 2
