@@ -6,6 +6,8 @@ error no handler typed is a 500 in that format with a request id; feedback is bo
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from http.client import HTTPConnection
 from pathlib import Path
@@ -18,8 +20,10 @@ from hypothesis import strategies as st
 from test_server import MODEL, Server, chat_body, make_artifact, metric
 
 from steerserve.server.experiment import DecisionLog, Experiment
+from steerserve.server.slow import timed_protocol
 
 NAME = "hardening"
+REQUEST_TIMEOUT = 2.0  # this server's deadline for a request to arrive in full (30 s served)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
         raise RuntimeError("a bug")
 
     app.add_api_route("/boom", boom, include_in_schema=False)
-    srv = Server(app)
+    srv = Server(app, http=timed_protocol(REQUEST_TIMEOUT))
     srv.start()
     yield srv
     srv.stop()
@@ -329,6 +333,46 @@ def test_d9_artifact_name_with_a_trailing_newline_is_refused(http: httpx.Client)
     """Defect 9 (part): ``"tiny\\n"`` is not an artifact name (the check's ``$`` let it by)."""
     r = http.post("/v1/steering/vectors", json={"name": "tiny\n"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+
+
+# --- slow clients ---------------------------------------------------------------------------------
+
+
+def test_d12_half_sent_requests_are_cut_off_idle_connections_kept(server: Server) -> None:
+    """Defect 12: 40 connections that send half a request head, 10 that send a head and half
+    its body, and 10 that send nothing are all closed by the server soon after the deadline
+    (408 where no response had begun); an idle keep-alive connection between two requests
+    outlives the deadline."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    body_head = head + b"Content-Length: 1000\r\n\r\n" + b'{"model": "llama", '
+    socks = []
+    for payload in [head[:30]] * 40 + [body_head] * 10 + [b""] * 10:
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(payload)
+        socks.append(s)
+    deadline = time.monotonic() + REQUEST_TIMEOUT + 10
+    answers = []
+    for s in socks:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            answers.append(data)  # the server closed the connection
+        except TimeoutError:
+            answers.append(None)  # still open
+        finally:
+            s.close()
+    assert None not in answers, f"{answers.count(None)} connections still open"
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers[:40] + answers[50:])
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        for _ in range(2):
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+            time.sleep(REQUEST_TIMEOUT + 1)
+    finally:
+        conn.close()
 
 
 # --- the bounded fuzz test: 0 x 5xx ---------------------------------------------------------------

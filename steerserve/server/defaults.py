@@ -8,3 +8,7 @@ DRAIN_SECONDS = 300
 #: and a busy client's lag, so the server never closes a connection a client is reusing
 #: (uvicorn's 5 s: 298 client ReadErrors in 3 min of bench/load.py at load 10; 75 s: 0).
 KEEP_ALIVE_SECONDS = 75
+
+#: A request must arrive in full (head and body) this soon after its first byte (or after the
+#: connection opens): a client that sends half a request is cut off with 408, not kept forever.
+REQUEST_TIMEOUT_SECONDS = 30

@@ -20,6 +20,7 @@ import uvicorn
 
 from steerserve.server.app import create_app
 from steerserve.server.drain import GRACE
+from steerserve.server.slow import timed_protocol
 from steerserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger("steerserve.server")
@@ -76,6 +77,7 @@ def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
         # uvicorn cancels what is left only after the dropped requests had time to be answered
         timeout_graceful_shutdown=settings.drain_seconds + GRACE,
         timeout_keep_alive=settings.keep_alive_seconds,
+        http=timed_protocol(settings.request_timeout_seconds),
     )
     state: ServerState = app.state.steer
     server = _Server(config, state, settings.drain_seconds)

@@ -17,7 +17,11 @@ from typing import Any
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts, version_key
 from steerserve.engine.api import EngineConfig
 from steerserve.server.backend import Backend
-from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
+from steerserve.server.defaults import (
+    DRAIN_SECONDS,
+    KEEP_ALIVE_SECONDS,
+    REQUEST_TIMEOUT_SECONDS,
+)
 from steerserve.server.drain import Drain
 from steerserve.server.experiment import (
     MAX_FEEDBACK_PER_ID,
@@ -53,6 +57,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     drain_seconds: int = DRAIN_SECONDS  # on SIGTERM/SIGINT: how long in-flight requests may finish
     keep_alive_seconds: int = KEEP_ALIVE_SECONDS  # idle HTTP connections (see defaults.py)
+    request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
     host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = False  # allow admin endpoints without an API key on any address
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
