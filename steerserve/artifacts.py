@@ -430,11 +430,33 @@ def save_artifact(
 
 
 def find_artifacts(root: str | Path) -> list[Path]:
-    """Every directory under ``root`` (itself included) holding a manifest."""
+    """Every directory under ``root`` (itself included) holding a manifest. Linked folders are
+    followed (a version folder may be a link), each real folder listed once, link loops cut."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p.parent for p in root.rglob(MANIFEST_FILE))
+    found: dict[str, Path] = {}
+    seen: set[str] = set()
+    for here, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        if MANIFEST_FILE in files:
+            found.setdefault(real, Path(here))
+    return sorted(found.values())
+
+
+def outside(path: Path, root: str | Path) -> str | None:
+    """Why the artifact at ``path`` reaches out of ``root`` through a link (its folder or one of
+    its files), or None: a server serves what its vectors directory holds, nothing else."""
+    top = Path(os.path.realpath(root))
+    for p in (path, path / MANIFEST_FILE, path / TENSORS_FILE):
+        if p.exists() and not Path(os.path.realpath(p)).is_relative_to(top):
+            return f"{p.name} links outside the vectors directory"
+    return None
 
 
 @dataclass(frozen=True)
@@ -458,6 +480,9 @@ def scan_artifacts(root: str | Path, model_dir: str | Path) -> list[Scanned]:
     for p in find_artifacts(root):
         rel = p.relative_to(root).parts if p != Path(root) else ()
         name, version = (rel[-2], rel[-1]) if len(rel) >= 2 else ("", rel[-1] if rel else "")
+        if (why := outside(p, root)) is not None:
+            out.append(Scanned(p, name, version, refused=why))
+            continue
         try:
             art = load_artifact(p, expect=expect)
             out.append(Scanned(p, art.manifest.name, art.manifest.version, art))

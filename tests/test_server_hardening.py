@@ -305,6 +305,41 @@ def test_d4_d8_start_refuses_before_the_engine_naming_the_folders(
         srv.stop()
 
 
+def test_d9_linked_folders_load_links_out_of_the_vectors_dir_are_refused(
+    http: httpx.Client, root: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Defect 9: a version folder that is a link within the vectors directory loads (it was
+    invisible: 404 with no reason); a folder or a file linked from outside it is a 422 saying
+    so (such files used to load)."""
+    vectors = root / "vectors"
+    store = make_artifact(vectors / ".store", tiny_llama, "v1", name="linked")
+    (vectors / "linked").mkdir()
+    (vectors / "linked" / "v1").symlink_to(store, target_is_directory=True)
+    far = make_artifact(tmp_path, tiny_llama, "v1", name="far")
+    (vectors / "far").mkdir()
+    (vectors / "far" / "v1").symlink_to(far, target_is_directory=True)
+    part = vectors / "part" / "v1"
+    part.mkdir(parents=True)
+    (part / "manifest.json").write_text(
+        (make_artifact(tmp_path, tiny_llama, "v1", name="part") / "manifest.json").read_text()
+    )
+    (part / "vectors.safetensors").symlink_to(tmp_path / "part" / "v1" / "vectors.safetensors")
+    try:
+        r = http.post("/v1/steering/vectors", json={"name": "linked"})
+        assert r.status_code == 200 and r.json()["loaded"] == "linked/v1", r.text
+        for name in ("far", "part"):
+            r = http.post("/v1/steering/vectors", json={"name": name})
+            assert r.status_code == 422 and "outside the vectors directory" in r.text, r.text
+    finally:
+        for p in (vectors / "linked" / "v1", vectors / "far" / "v1", *part.iterdir()):
+            p.unlink()
+        for p in (part, vectors / "part", vectors / "linked", vectors / "far"):
+            p.rmdir()
+        for f in store.iterdir():
+            f.unlink()
+        store.rmdir()
+
+
 # --- cosmetics ------------------------------------------------------------------------------------
 
 
