@@ -100,6 +100,32 @@ class Intervention(_Strict):
         return v
 
 
+#: ISO 639-1 codes the server's language detection can return (lingua's 75 languages; a test
+#: checks the two agree). An artifact may gate ``auto`` per language only on these.
+LANGUAGE_CODES: frozenset[str] = frozenset(
+    "af ar az be bg bn bs ca cs cy da de el en eo es et eu fa fi fr ga gu he hi hr hu hy id is it "
+    "ja ka kk ko la lg lt lv mi mk mn mr ms nb nl nn pa pl pt ro ru sk sl sn so sq sr st sv sw ta "
+    "te th tl tn tr ts uk ur vi xh yo zh zu".split()
+)
+#: The largest per-language multiplier of the calibrated scales an artifact may declare.
+MAX_LANGUAGE_MULTIPLIER = 8.0
+
+
+class LanguageGate(_Strict):
+    """How ``auto`` steers one language: every intervention at ``multiplier`` times its
+    calibrated scale (0: not steered), and the confirmation that supports it."""
+
+    multiplier: float = Field(ge=0.0, le=MAX_LANGUAGE_MULTIPLIER)
+    confirmation: dict[str, Any] | None = None
+
+    @field_validator("multiplier")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"multiplier must be finite, got {v!r}")
+        return v
+
+
 def _today() -> str:
     return _dt.date.today().isoformat()
 
@@ -114,6 +140,9 @@ class Manifest(_Strict):
     model: ModelBinding
     layer_convention: str = LAYER_CONVENTION
     interventions: list[Intervention] = Field(min_length=1)
+    #: Per-language gate of ``auto`` (absent: every non-English language at the calibrated
+    #: scales). A language not listed is not steered by ``auto``.
+    languages: dict[str, LanguageGate] | None = None
 
     @field_validator("created")
     @classmethod
@@ -130,6 +159,34 @@ class Manifest(_Strict):
         if v != LAYER_CONVENTION:
             raise ValueError(f"layer_convention must be {LAYER_CONVENTION!r}, got {v!r}")
         return v
+
+    @field_validator("languages")
+    @classmethod
+    def _codes(cls, v: dict[str, LanguageGate] | None) -> dict[str, LanguageGate] | None:
+        for code in v or {}:
+            if code == "en":
+                raise ValueError("languages.en: auto never steers English; leave it out")
+            if code not in LANGUAGE_CODES:
+                raise ValueError(
+                    f"languages.{code}: not an ISO 639-1 code the server detects "
+                    "(two lowercase letters, e.g. fr, ja, ko)"
+                )
+        return v
+
+    def auto_multiplier(self, language: str | None) -> float:
+        """The multiplier ``auto`` applies to a prompt in ``language`` (0: not steered)."""
+        if language in (None, "en"):
+            return 0.0
+        if self.languages is None:
+            return 1.0
+        gate = self.languages.get(language)
+        return gate.multiplier if gate is not None else 0.0
+
+    def auto_languages(self) -> list[str] | None:
+        """The languages ``auto`` steers (None: every non-English one)."""
+        if self.languages is None:
+            return None
+        return sorted(k for k, g in self.languages.items() if g.multiplier > 0)
 
     @model_validator(mode="after")
     def _unique(self) -> Manifest:

@@ -154,12 +154,44 @@ def test_fingerprints_agree(tiny_models: dict[str, Path]) -> None:
             lambda r: r["model"].update(hidden_size=32),
             "tensor size 64 does not match hidden_size 32",
         ),
+        (lambda r: r.update(languages={"xx": {"multiplier": 1}}), "languages.xx: not an ISO"),
+        (lambda r: r.update(languages={"en": {"multiplier": 1}}), "languages.en: auto never"),
+        (
+            lambda r: r.update(languages={"fr": {"multiplier": 9}}),
+            "languages.fr.multiplier: Input should be less than or equal to 8",
+        ),
+        (
+            lambda r: r.update(languages={"fr": {"multiplier": -1}}),
+            "languages.fr.multiplier: Input should be greater than or equal to 0",
+        ),
+        (
+            lambda r: r.update(languages={"fr": {"multiplier": "NaN"}}),
+            "languages.fr.multiplier",
+        ),
     ],
 )
 def test_manifest_refusals(art: A.Artifact, edit: typing.Callable, message: str) -> None:
     _edit(art.path, edit)
     with pytest.raises(A.ArtifactError, match=message):
         A.load_artifact(art.path)
+
+
+def test_language_gate_of_auto(art: A.Artifact) -> None:
+    """A manifest may gate ``auto`` per language; absent, every non-English language."""
+    m = art.manifest
+    assert m.auto_languages() is None and m.auto_multiplier("ja") == 1.0
+    assert m.auto_multiplier("en") == 0.0 and m.auto_multiplier(None) == 0.0
+    gated = m.model_copy(update={"languages": {"fr": A.LanguageGate(multiplier=0.5),
+                                               "ko": A.LanguageGate(multiplier=0)}})  # fmt: skip
+    assert gated.auto_languages() == ["fr"]
+    assert (gated.auto_multiplier("fr"), gated.auto_multiplier("ko")) == (0.5, 0.0)
+    assert gated.auto_multiplier("ja") == 0.0  # not listed: not steered
+
+
+def test_language_codes_are_the_detectors() -> None:
+    from lingua import Language
+
+    assert {lang.iso_code_639_1.name.lower() for lang in Language.all()} == A.LANGUAGE_CODES
 
 
 def test_tensor_refusals(art: A.Artifact) -> None:

@@ -241,3 +241,35 @@ def test_header() -> None:
     info = SteeringInfo(applied=True, policy="on", detected_language=None)
     assert json.loads(info.header()) == {"applied": True, "policy": "on", "interventions": []}
     assert " " not in info.header()
+
+
+def test_auto_follows_the_artifacts_language_gate() -> None:
+    """A gated artifact: auto steers fr at half its calibrated scales, leaves ko alone and says
+    which languages it steers; true (on) ignores the gate."""
+    from steerserve.artifacts import LanguageGate
+    from steerserve.server.vetting import scale_refusal
+
+    reg = VectorRegistry()
+    art = _artifact("v7", reg)
+    gates = {"fr": LanguageGate(multiplier=0.5), "ko": LanguageGate(multiplier=0)}
+    gated = Artifact(art.manifest.model_copy(update={"languages": gates}), art.tensors)
+    pol = Policy(reg, default="auto")
+    pol.add(gated)
+    fr = pol.resolve("auto", language="fr")
+    assert [e.scale for e in fr.entries] == [2.0, -1.0] and fr.auto_languages == ("fr",)
+    info = fr.info(True)
+    assert info.auto_languages == ["fr"] and '"auto_languages":["fr"]' in info.header()
+    ko = pol.resolve("auto", language="ko")
+    assert ko.entries == () and ko.info(False).auto_languages == ["fr"]
+    assert pol.resolve("auto", language="ja").entries == ()  # not listed
+    assert [e.scale for e in pol.resolve(True, language="ko").entries] == [4.0, -2.0]
+    plain = Policy(reg, default="auto")
+    plain.add(_artifact("v8", reg))
+    d = plain.resolve("auto", language="ko")
+    assert [e.scale for e in d.entries] == [4.0, -2.0] and d.auto_languages is None
+    assert "auto_languages" not in d.info(True).header()
+    loud = {"fr": LanguageGate(multiplier=8)}
+    big = Artifact(art.manifest.model_copy(update={"languages": loud}), art.tensors)
+    assert "languages.fr.multiplier 8 gives intervention 'recall' scale 32" in (
+        scale_refusal(big, 16.0) or ""
+    )

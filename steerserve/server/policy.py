@@ -9,6 +9,7 @@ steering.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -87,6 +88,7 @@ class Decision:
     echo: tuple[AppliedIntervention, ...] = ()
     detected_language: str | None = None
     field: str = "steering"
+    auto_languages: tuple[str, ...] | None = None  # an auto decision under a language gate
 
     def info(self, applied: bool) -> SteeringInfo:
         return SteeringInfo(
@@ -94,6 +96,7 @@ class Decision:
             policy=self.policy,
             interventions=list(self.echo) if applied else [],
             detected_language=self.detected_language,
+            auto_languages=None if self.auto_languages is None else list(self.auto_languages),
         )
 
 
@@ -145,8 +148,8 @@ class SteeringPolicy:
                         param="steering",
                     )
                 return OFF
-            case Auto() if not force and language in (None, "en"):
-                return Decision("auto", detected_language=language)
+            case Auto() if not force:
+                return self._auto(language)
             case Auto() | On():
                 policy = "on" if force or isinstance(spec, On) else "auto"
                 return self._decision(policy, self._artifact(None).entries(), language)
@@ -158,6 +161,22 @@ class SteeringPolicy:
             case Entries():
                 return self._decision("entries", spec.entries, language, "steering.entries")
         raise TypeError(f"not a steering value: {spec!r}")
+
+    def _auto(self, language: str | None) -> Decision:
+        """``auto``: the default artifact on a non-English prompt, at the multiplier its
+        manifest's per-language gate declares for the language (none: every non-English
+        language at the calibrated scales); a gated-off language is answered unsteered."""
+        if language in (None, "en"):
+            return Decision("auto", detected_language=language)
+        art = self._artifact(None)
+        gated = art.manifest.auto_languages()
+        langs = None if gated is None else tuple(gated)
+        m = art.manifest.auto_multiplier(language)
+        if m == 0:
+            return Decision("auto", detected_language=language, auto_languages=langs)
+        scaled = None if m == 1 else {iv.name: m for iv in art.manifest.interventions}
+        d = self._decision("auto", art.entries(scaled), language)
+        return dataclasses.replace(d, auto_languages=langs)
 
     def _artifact(self, ref: str | None) -> Artifact:
         """``ref``: None (the default), ``name/version``, or ``name`` (its newest version)."""

@@ -256,6 +256,8 @@ class SteeringInfo(BaseModel):
     policy: str
     interventions: list[AppliedIntervention] = Field(default_factory=list)
     detected_language: str | None = None
+    # only for "auto" with an artifact that gates it per language: the languages it steers
+    auto_languages: list[str] | None = Field(None, exclude_if=lambda v: v is None)
     # only under an A/B experiment (``--ab-split``): answers are unchanged without one
     experiment: ExperimentInfo | None = Field(None, exclude_if=lambda v: v is None)
 

@@ -247,6 +247,8 @@ class ServerState:
                     "version": a.manifest.version,
                     "default": key == self.policy.default_artifact,
                     "interventions": sorted(iv.name for iv in a.manifest.interventions),
+                    # the languages "auto" steers (null: every non-English one)
+                    "auto_languages": a.manifest.auto_languages(),
                     "manifest": a.manifest.model_dump(mode="json"),
                 }
                 for key, a in self.policy.artifacts.items()

@@ -38,11 +38,20 @@ def check_artifacts(found: list[Scanned], max_abs_scale: float) -> None:
 def scale_refusal(art: Artifact, max_abs_scale: float) -> str | None:
     """Why the engine would refuse an artifact's calibrated entries (every ``true``/``auto``
     request would then be a 400 blaming its client), or None."""
+    gates = art.manifest.languages or {}
+    most = max((g.multiplier for g in gates.values()), default=1.0)
     for iv in art.manifest.interventions:
         if abs(iv.scale) > max_abs_scale:
             return (
                 f"intervention {iv.name!r} has scale {iv.scale:g}, outside the engine's "
                 f"[-{max_abs_scale:g}, {max_abs_scale:g}] (EngineConfig.max_abs_scale)"
+            )
+        if abs(iv.scale * most) > max_abs_scale:
+            lang = max(gates, key=lambda k: gates[k].multiplier)
+            return (
+                f"languages.{lang}.multiplier {most:g} gives intervention {iv.name!r} scale "
+                f"{iv.scale * most:g}, outside the engine's [-{max_abs_scale:g}, "
+                f"{max_abs_scale:g}] (EngineConfig.max_abs_scale)"
             )
     return None
 
