@@ -404,11 +404,24 @@ def rescore(
     dataset: Path | None = typer.Option(
         None, help="The eval's --dataset, when it ran on a file (default: the built-in facts)."
     ),
+    caps: str = typer.Option(
+        "",
+        help="Comma-separated token budgets (e.g. 8,12): print each arm's non-English mean had "
+        "the replies been cut there (the same replies; nothing is rewritten).",
+    ),
+    model: str = typer.Option("default", help="Whose tokenizer counts the tokens for --caps."),
 ) -> None:
     """Score a finished run again from its kept replies with the current scorer (no model):
     report.json/md and the replies' verdicts are rewritten and marked rescored."""
     from steerserve.research import rescore as rs
 
+    if caps:
+        for arm, row in rs.capped(out, _ints(caps), _resolve_model(model), dataset).items():
+            cells = ", ".join(
+                f"{f'{c} tokens' if c else 'whole'} {100 * v:.1f}" for c, v in row.items()
+            )
+            typer.echo(f"{arm:12s} non-English mean cut at {cells}")
+        return
     report = rs.run(out, dataset)
     for arm, a in report["arms"].items():
         typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")

@@ -65,16 +65,45 @@ def rescore(out_dir: str | Path, records: Records) -> dict[str, Any]:
     return report
 
 
-def run(out: Path, dataset: Path | None = None) -> dict[str, Any]:
-    """:func:`rescore` with the records the run asked: ``dataset``'s, a headroom run's
-    conditions rebuilt from its recorded config, else the built-in facts' chat records."""
+def capped(
+    out: Path, caps: Sequence[int], model_dir: Path, dataset: Path | None = None
+) -> dict[str, dict[int, float]]:
+    """Each arm's non-English mean accuracy had its kept replies been cut at each budget in
+    ``caps`` (counted with the model's tokenizer; whole replies as well): how much an old,
+    shorter budget cost, measured on the same replies."""
+    from transformers import AutoTokenizer
+
+    from steerserve.research.scoring import by_lang, lang_mean, non_english
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    recs = _records(out, dataset)
+    out_rows: dict[str, dict[int, float]] = {}
+    replies = read_replies(out / "replies.jsonl")
+    for arm in dict.fromkeys(r.arm for r in replies):
+        mine = [r for r in replies if r.arm == arm]
+        items = [recs(arm)[r.id] for r in mine]
+        row = {}
+        for cap in [*caps, 0]:
+            texts = [
+                tok.decode(tok(r.text, add_special_tokens=False)["input_ids"][:cap])
+                if cap else r.text
+                for r in mine
+            ]  # fmt: skip
+            ok = score_all(items, texts).correct
+            row[cap] = lang_mean(non_english(by_lang(items, ok)))
+        out_rows[arm] = row
+    return out_rows
+
+
+def _records(out: Path, dataset: Path | None) -> Records:
+    """The records a run asked, per arm (see :func:`run`)."""
     from steerserve.research.audit import chat_records
     from steerserve.research.records import read_dataset
 
     old = json.loads((out / "report.json").read_text(encoding="utf-8"))
     if dataset is not None:
         recs = {r["id"]: r for r in read_dataset(dataset)}
-        return rescore(out, lambda arm: recs)
+        return lambda arm: recs
     if "conditions" in old:
         from steerserve.research import chat_headroom as hr
 
@@ -83,6 +112,12 @@ def run(out: Path, dataset: Path | None = None) -> dict[str, Any]:
         cfg = hr.Config(Path(old["model"]), out, c["split"], tuple(c["part"]), langs,
                         c["limit_per_lang"])  # fmt: skip
         by_cond = {k: {r["id"]: r for r in v} for k, v in hr.condition_records(cfg).items()}
-        return rescore(out, by_cond.__getitem__)
+        return by_cond.__getitem__
     built_in = chat_records()
-    return rescore(out, lambda arm: built_in)
+    return lambda arm: built_in
+
+
+def run(out: Path, dataset: Path | None = None) -> dict[str, Any]:
+    """:func:`rescore` with the records the run asked: ``dataset``'s, a headroom run's
+    conditions rebuilt from its recorded config, else the built-in facts' chat records."""
+    return rescore(out, _records(out, dataset))

@@ -58,7 +58,7 @@ def test_audit_commands(tmp_path: Path) -> None:
     assert "all: n=4 false positives 2/4, false negatives 0/0" in res.output
 
 
-def test_rescore_rebuilds_a_report_from_kept_replies(tmp_path: Path) -> None:
+def test_rescore_rebuilds_a_report_from_kept_replies(tmp_path: Path, tiny_llama: Path) -> None:
     """A report rebuilt from replies.jsonl by today's scorer, with no model."""
     import json
 
@@ -81,6 +81,8 @@ def test_rescore_rebuilds_a_report_from_kept_replies(tmp_path: Path) -> None:
     first = json.loads(lines[0])
     lines[0] = json.dumps({**first, "verdict": "wrong", "why": "stale"}, ensure_ascii=False)
     (tmp_path / "replies.jsonl").write_text("\n".join(lines) + "\n")
+    cut = rs.capped(tmp_path, [1], tiny_llama)  # the byte-level tiny tokenizer: 1 byte
+    assert cut["unsteered"][0] == 1.0 and cut["unsteered"][1] == 0.0  # whole vs one byte
     new = rs.run(tmp_path)
     assert new["rescored"] and new["arms"]["unsteered"]["per_language"]["ja"]["accuracy"] == 1.0
     assert json.loads((tmp_path / "replies.jsonl").read_text().splitlines()[0])["verdict"] == (
