@@ -52,6 +52,26 @@ PIVOTS: dict[str, tuple[str, ...] | None] = {"en": None, "zh": ("ja", "ko")}
 VARIANTS: tuple[str, ...] = ("replace_fact", "add_fact", "replace_rel", "add_rel")
 
 
+def answer_position_means(
+    runner: Runner, langs: Sequence[str], per_relation: int
+) -> dict[tuple[str, str], torch.Tensor]:
+    """``(lang, relation) -> [L, H]``: mean block outputs at the name onset (after the model's
+    own restated prefix, ``prefixes``) over the first ``per_relation`` train facts."""
+    from steerserve.research.facts import eval_records
+    from steerserve.research.prefixes import at_answer_position
+
+    out = {}
+    for lang in langs:
+        for rel in RELATIONS:
+            recs = eval_records("train", langs=[lang], relations=[rel], form="chat")
+            if recs := recs[:per_relation]:
+                _, states = runner.run(at_answer_position(runner, recs), [None], capture=True,
+                                       progress=False)  # fmt: skip
+                assert states is not None
+                out[(lang, rel)] = states.mean(0)
+    return out
+
+
 def oracle_edits(
     layers: Sequence[int],
     h_x: torch.Tensor,
@@ -87,14 +107,21 @@ def oracle(
     pivots: Sequence[str] = ("en",),
     partial: Path | None = None,
     group: int = 3,
+    answer_position: bool = False,
 ) -> dict[str, Any]:
     """Step 2: patch the last prompt token's state at each block (see ``oracle_edits``), on the
     items of ``items`` whose pivot twin is there (it supplies h_p); paired against no edit.
-    Blocks run ``group`` at a time; with ``partial`` each group is kept there (resumable)."""
+    Blocks run ``group`` at a time; with ``partial`` each group is kept there (resumable).
+    ``answer_position`` (chat): every item, its twin and the relation means are taken after
+    the model's own restated prefix, so the patched state is the one where the name starts."""
     layers = list(range(runner.num_layers)) if layers is None else list(layers)
     form = "chat" if "messages" in items[0] else "completion"
     part = (lambda n: None) if partial is None else (lambda n: partial / n)  # noqa: E731
     t0 = time.perf_counter()
+    if answer_position:
+        from steerserve.research.prefixes import at_answer_position
+
+        items = cached(part("prefixed.json"), lambda: at_answer_position(runner, items))
 
     def baseline() -> dict[str, Any]:
         runs, states = runner.run(items, [None], capture=True)
@@ -111,10 +138,13 @@ def oracle(
     langs = langs_of(items)
     means = cached_tensors(
         part("relation_means.pt"),
-        lambda: relation_means(runner.model, runner.tok, langs, per_relation, seed, form),
+        (lambda: answer_position_means(runner, langs, per_relation))
+        if answer_position
+        else (lambda: relation_means(runner.model, runner.tok, langs, per_relation, seed, form)),
     )
     t1 = time.perf_counter()
     out: dict[str, Any] = {"layers": layers, "per_relation": per_relation, "pivots": {}}
+    out["position"] = "name onset (own prefix)" if answer_position else "last prompt token"
     out["base_all_langs"] = summarise(items, base_run["res"])
     for pv in pivots:
         row = {f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == pv}
@@ -250,6 +280,11 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pivots", default="en", help="oracle pivot languages: en, zh (zh is tried on ja, ko)"
     )
+    p.add_argument(
+        "--answer-position",
+        action="store_true",
+        help="chat: patch where the name starts, after the model's own restated prefix",
+    )
 
 
 def _plan(ctx: Context) -> Plan:
@@ -263,6 +298,9 @@ def _plan(ctx: Context) -> Plan:
         "facts per relation and language."
     )
     key = f"oracle@{a.oracle_part[0]}of{a.oracle_part[1]}"
+    if a.answer_position:
+        key += "@answer"
+        setup += " Patched at the name onset, after each item's own restated prefix."
     return Plan(key, setup, {"items": items, "pivots": pivots})
 
 
@@ -271,7 +309,7 @@ def _run(ctx: Context, plan: Plan) -> dict[str, Any]:
     layers = None if a.layers is None else ints(a.layers)
     items, pivots = plan.inputs["items"], plan.inputs["pivots"]
     return oracle(ctx.runner, items, ctx.facts, a.per_relation, layers, a.seed, pivots,
-                  ctx.partial(plan.key))  # fmt: skip
+                  ctx.partial(plan.key), answer_position=a.answer_position)  # fmt: skip
 
 
 def _figures(o: Mapping[str, Any]) -> dict[str, Callable[[Path], None]]:

@@ -30,3 +30,16 @@ def test_oracle_pivots_sanity_and_resume(runner: Runner, tmp_path: Path) -> None
     broken.num_layers, broken.model, broken.tok = runner.num_layers, None, None
     again = oracle(broken, items, facts, **kw)
     assert again["pivots"] == out["pivots"]
+
+
+def test_oracle_at_the_answer_position(runner: Runner, tmp_path: Path) -> None:
+    """Chat items patched where the name starts: each item gets its own prefix, the relation
+    means are taken there too, and self-patching still changes nothing."""
+    items = eval_records("calib", langs=["en", "ja"], limit_per_lang=2, form="chat")
+    kw = dict(per_relation=1, layers=[1], pivots=("en",), partial=tmp_path, group=1)
+    out = oracle(runner, items, fact_index("calib"), answer_position=True, **kw)
+    assert out["position"] == "name onset (own prefix)" and out["pivots"]["en"]["n_items"] == 2
+    e = out["pivots"]["en"]["edits"]
+    assert e["self@2"]["logp"]["diff_non_en"]["diff"] == pytest.approx(0, abs=1e-4)
+    kept = (tmp_path / "prefixed.json").read_text()
+    assert '"prefix_source"' in kept
