@@ -340,6 +340,35 @@ def test_d9_linked_folders_load_links_out_of_the_vectors_dir_are_refused(
         store.rmdir()
 
 
+def test_d10_a_load_failure_while_stopping_is_a_stop(tiny_llama: Path, tmp_path: Path) -> None:
+    """Defect 10: when a signal came while the engine loads (``stopping``, as the process's
+    signal handler sets it), a load that fails (EngineCore stopped by the same signal; here an
+    artifact refusal, which fails at once) is a stop, not an engine failure: /ready never says
+    "failed", /health stays up, and the process would exit 0, not 1."""
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    vectors = tmp_path / "vectors"
+    (vectors / "deep" / "v1").mkdir(parents=True)
+    (vectors / "deep" / "v1" / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
+    )
+    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors)))
+    app.state.steer.stopping = True
+    srv = Server(app)
+    try:
+        srv.listen()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert httpx.get(f"{srv.url}/ready").json()["status"] == "loading"
+            time.sleep(0.1)
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert not app.state.steer.failed
+    finally:
+        srv.stop()
+
+
 # --- cosmetics ------------------------------------------------------------------------------------
 
 
