@@ -1075,7 +1075,8 @@ def test_corrupt_artifact_refuses_start(
 
 #: The server's modules, callers before callees: a request only ever calls downwards.
 LAYERS = (
-    "app", "pipeline", "state", "endpoints", "policy", "backend", "protocol", "steering", "metrics"
+    "app", "guard", "pipeline", "state", "endpoints", "policy", "backend", "drain", "protocol",
+    "steering", "metrics",
 )  # fmt: skip
 
 

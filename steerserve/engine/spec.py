@@ -118,7 +118,7 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
     if scale is None:
         if isinstance(raw_scale, bool) or not isinstance(raw_scale, (int, float)):
             raise SteeringError(f"{field}.scale", f"must be a number, got {short_repr(raw_scale)}")
-        raise SteeringError(f"{field}.scale", "must be a finite number")
+        raise SteeringError(f"{field}.scale", "must be finite")
     pos = item.get("positions", "all")
     if not isinstance(pos, str) or pos not in POSITIONS:
         raise SteeringError(
