@@ -170,3 +170,41 @@ def test_model_runner_v2_seam_host_logic():
     assert int(st.index.abs().sum()) == 0
     ms.remove_request("s")
     assert st.info()["live_steered"] == 0
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 1.0, x
+
+
+def test_hook_skips_layers_no_running_request_steers_and_adds_on_the_rest(monkeypatch):
+    """Issue 23: an idle layer returns the block's own output (no op, no copy); a steered layer
+    adds its rows; with ``skip_idle`` off (GPU graphs) or while traced, the op always runs."""
+    import steerserve.engine.op as op
+
+    calls: list[int] = []
+    real = op._steer_add
+    monkeypatch.setattr(op, "_steer_add", lambda h, i, p: calls.append(1) or real(h, i, p))
+    st = _state()
+    blocks = [_Block() for _ in range(4)]
+    st.attach(blocks, range(4))
+    x = torch.randn(3, H)
+    args = (["r0", "r1"], np.array([0, 2, 3]), np.array([0, 5]), np.array([2, 3]))
+    st.sync(["r0", "r1"], lambda r: None)
+    st.prepare_step(*args)
+    out = [b(x)[0] for b in blocks]
+    assert calls == [] and all(torch.equal(o, x) for o in out)
+    st.sync(["r0", "r2"], lambda r: _spec(("a", 2, 1.0, "all")) if r == "r2" else None)
+    st.prepare_step(["r0", "r2"], *args[1:])
+    hidden = [b(x)[0] for b in blocks]
+    assert len(calls) == 1  # layer 2 only
+    assert torch.equal(hidden[2][:2], x[:2]) and torch.equal(hidden[2][2], x[2] + st.vectors["a"])
+    assert all(torch.equal(hidden[i], x) for i in (0, 1, 3))
+    st.sync(["r0"], lambda r: None)  # r2 finished: layer 2 idle again
+    calls.clear()
+    st.prepare_step(["r0"], np.array([0, 1]), np.array([6]), np.array([2]))
+    [b(x[:1]) for b in blocks]
+    assert calls == []
+    st.skip_idle = False
+    [b(x[:1]) for b in blocks]
+    assert len(calls) == 4

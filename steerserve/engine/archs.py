@@ -74,6 +74,8 @@ class SteeringMixin:
             max_num_tokens=int(sched.max_num_batched_tokens) + int(sched.max_num_seqs),
             rows_per_request=int(opts.get("rows_per_request", DEFAULT_ROWS_PER_REQUEST)),
             device=device,
+            # CPU has no graphs; on GPU only eager mode is safe (graphs capture a skip).
+            skip_idle=device.type == "cpu" or bool(vllm_config.model_config.enforce_eager),
         )
         self.steering.attach(decoder.layers, owned)
         if not vllm_config.use_v2_model_runner:

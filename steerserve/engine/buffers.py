@@ -47,6 +47,7 @@ class SteeringState:
         max_num_tokens: int,
         rows_per_request: int,
         device: torch.device | str,
+        skip_idle: bool = True,
     ) -> None:
         self.num_layers = num_layers
         self.hidden_size = hidden_size
@@ -75,19 +76,31 @@ class SteeringState:
         self._unsteered: set[str] = set()
         self._free = list(range(max_num_seqs, 0, -1))
         self._slot_rows = np.zeros((num_layers, max_num_seqs + 1, 3), np.int32)
-        self._layer_users = np.zeros(num_layers, np.int64)
+        self._layer_users = np.zeros(num_layers, np.int64)  # running requests steering it
+        # Eager forwards skip the op on a layer no running request steers (x + 0 is x); off
+        # where a CUDA graph might be captured outside torch.compile (it would bake the skip in).
+        self.skip_idle = skip_idle
 
     # ---- model wiring -------------------------------------------------------------------------
     def attach(self, layers: Sequence[torch.nn.Module], layer_ids: Iterable[int]) -> None:
         """Give each owned decoder layer its buffers and the hook that calls the op."""
-        from steerserve.engine.op import steer_add
+        from steerserve.engine import op
+
+        users, compiling = self._layer_users, torch.compiler.is_compiling
 
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
+            # Traced (compile), the op always stays in the graph: a branch would be baked in.
+            traced = compiling()
+            if not traced and self.skip_idle and not users[module.steer_layer]:
+                return output  # idle layer: what the stock layer returned, no op, no copy
             hidden, residual = output  # vLLM keeps the stream split; add to hidden only
-            return steer_add(hidden, module.steer_index, module.steer_pool), residual
+            # Eager: the op's kernel without the dispatcher's ~10 µs a call; same arithmetic.
+            add = op.steer_add if traced else op._steer_add
+            return add(hidden, module.steer_index, module.steer_pool), residual
 
         for i in layer_ids:
             layer = layers[i]
+            layer.steer_layer = i
             layer.register_buffer("steer_index", self.index[i], persistent=False)
             layer.register_buffer("steer_pool", self.pool, persistent=False)
             layer.register_forward_hook(hook)
