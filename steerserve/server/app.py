@@ -211,6 +211,8 @@ def _v1_router() -> APIRouter:
     feedback["responses"] |= {
         404: {"model": P.ErrorResponse, "description": "no answer of the experiment has this id"},
         409: {"model": P.ErrorResponse, "description": "the server keeps no decision log"},
+        429: {"model": P.ErrorResponse, "description": "this answer was scored 5 times already"},
+        503: {"model": P.ErrorResponse, "description": "the decision log could not be written"},
     }
 
     @r.post("/steering/feedback", response_model=None, **feedback)

@@ -503,10 +503,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         401: "missing or wrong API key",
         404: "unknown model",
         413: "body larger than the limit",
+        408: "the request did not arrive in full in time (a slow client)",
         415: "body not sent as application/json",
         499: "the client went away (logged; the client never reads it)",
-        500: "server error",
-        503: "engine loading, failed or dead",
+        500: "server error (its message and x-request-id carry the id it is logged under)",
+        503: "engine loading, failed or dead, or the server stopping (drain deadline passed)",
     }.items()
 }
 
