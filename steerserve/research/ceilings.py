@@ -66,6 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--batch-size", type=int, default=64, help="items per forward (weights are read per call)"
     )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="model weights (bfloat16: ~5x faster matmuls on a CPU with AMX/AVX-512 BF16)",
+    )
     p.add_argument("--seed", type=int, default=0, help="demonstration seed")
     for add in dict.fromkeys(f for e in EXPERIMENTS.values() for f in e.options):
         add(p)
@@ -77,7 +83,9 @@ def context(args: argparse.Namespace) -> Context:
     from steerserve.models import load_hf_model, resolve_model
     from steerserve.research.records import default_form
 
-    model, tok = load_hf_model(args.model)
+    import torch
+
+    model, tok = load_hf_model(args.model, dtype=getattr(torch, args.dtype))
     form = default_form(resolve_model(args.model), args.form)
     langs = None if args.langs is None else sorted({"en", *args.langs.split(",")}, key=LANGS.index)
     runner = Runner(model, tok, args.batch_size)
