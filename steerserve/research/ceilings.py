@@ -80,10 +80,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def context(args: argparse.Namespace) -> Context:
     """The model's runner and the run's facts, form and languages."""
+    import torch
+
     from steerserve.models import load_hf_model, resolve_model
     from steerserve.research.records import default_form
-
-    import torch
 
     model, tok = load_hf_model(args.model, dtype=getattr(torch, args.dtype))
     form = default_form(resolve_model(args.model), args.form)
