@@ -23,7 +23,7 @@ from steerserve.server.experiment import DecisionLog, Experiment
 from steerserve.server.slow import timed_protocol
 
 NAME = "hardening"
-REQUEST_TIMEOUT = 2.0  # this server's deadline for a request to arrive in full (30 s served)
+REQUEST_TIMEOUT = 5.0  # this server's deadline for a request to arrive in full (30 s served)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
         raise RuntimeError("a bug")
 
     app.add_api_route("/boom", boom, include_in_schema=False)
-    srv = Server(app, http=timed_protocol(REQUEST_TIMEOUT))
+    srv = Server(app, http=timed_protocol(REQUEST_TIMEOUT), timeout_keep_alive=30)
     srv.start()
     yield srv
     srv.stop()
