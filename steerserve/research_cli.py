@@ -375,7 +375,10 @@ def train_vector(
     ),
     steps: int = typer.Option(60, help="Gradient steps at most (early stop on held-aside items)."),
     batch_size: int = typer.Option(16, help="Items per step."),
-    lr: float = typer.Option(0.05, help="Adam step, in units of the block's mean residual norm."),
+    lr: float = typer.Option(
+        0.05,
+        help="About how far ||v|| moves per step, in units of the block's mean residual norm (Adam).",
+    ),
     norm_cap: float = typer.Option(0.5, help="Largest ||v|| in units of that norm."),
     kl_weight: float = typer.Option(1.0, help="Weight of the English KL term (0: none)."),
     dtype: str = typer.Option("bfloat16", help="bfloat16 or float32 weights."),

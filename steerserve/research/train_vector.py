@@ -38,7 +38,7 @@ class TrainConfig:
     layer: int
     steps: int = 60
     batch_size: int = 16
-    lr: float = 0.05  # in units of the block's mean residual norm per step (Adam)
+    lr: float = 0.05  # about how far ||v|| moves per step, in units of the mean residual norm
     norm_cap: float = 0.5  # ||v|| <= norm_cap * mean residual norm at the block
     kl_weight: float = 1.0  # English: KL(unsteered || steered) over the top tokens
     top_k: int = 64
@@ -257,11 +257,15 @@ def train(
         en = prepare(model, english, max(1, cfg.batch_size // 4), pad) if english else []
         unit = mean_norm(model, hook, tr)
         refs = english_reference(model, hook, en, cfg.top_k)
-        v = torch.zeros(model.config.get_text_config().hidden_size, requires_grad=True)
-        opt = torch.optim.Adam([v], lr=cfg.lr * unit)
+        size = model.config.get_text_config().hidden_size
+        v = torch.zeros(size, requires_grad=True)
+        # Adam moves every coordinate by about lr: lr * unit / sqrt(size) moves ||v|| by about
+        # lr * unit per step (a first try at lr * unit moved it by twice the norm cap at once)
+        opt = torch.optim.Adam([v], lr=cfg.lr * unit / math.sqrt(size))
         curve, best, stale = Curve(), v.detach().clone(), 0
         curve.best_val = validate(model, hook, val, v.detach())
         curve.val.append((0, curve.best_val))
+        log(f"step 0: val log P {curve.best_val:.3f} (unsteered), residual norm {unit:.1f}")
         t0 = time.perf_counter()
         for step in range(1, cfg.steps + 1):
             b = tr[rng.randrange(len(tr))]
