@@ -74,7 +74,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         finally:
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
-            await state.backend.shutdown()
+            await state.backend.shutdown(signalled=state.stopping)
             state.decisions.log.close()
             logger.info("engine shut down")
 

@@ -30,6 +30,7 @@ from steerserve.engine.api import (
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.server.drain import GRACE
+from steerserve.server.engine_exit import await_own_stop, engine_processes
 from steerserve.server.protocol import ApiError
 from steerserve.server.tokens import Tokens
 
@@ -183,8 +184,10 @@ class Backend:
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
 
-    async def shutdown(self) -> None:
-        """Stop the engine (and its processes); waits for a build still in progress."""
+    async def shutdown(self, signalled: bool = False) -> None:
+        """Stop the engine (and its processes); waits for a build still in progress.
+        ``signalled``: the process was stopped by a signal, which may have reached EngineCore
+        too; an EngineCore stopping on it is waited for, not signalled again (``engine_exit``)."""
         self._closing = True
         llm = self.llm
         if llm is None and self._build is not None:
@@ -201,6 +204,9 @@ class Backend:
             handler = getattr(llm, "output_handler", None)
             if handler is not None:  # stop reading outputs first: no "engine dead" noise
                 handler.cancel()
+            if signalled and (procs := engine_processes(llm)):
+                if left := await asyncio.to_thread(await_own_stop, procs):
+                    logger.info("%s not stopping by itself: vLLM stops it", ", ".join(left))
             await asyncio.to_thread(llm.shutdown)
 
 
