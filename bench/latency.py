@@ -1,0 +1,520 @@
+"""Latency parity with stock vLLM (issue 23): paired, interleaved, ratios in one run.
+
+Arms, all on one checkpoint with the same engine settings (dtype, eager, max_model_len,
+max_num_seqs, KV cache bytes, prefix caching, every core bound):
+
+* ``stock``   — vLLM's own OpenAI server, plugins off (``VLLM_PLUGINS=none``), a subprocess;
+* ``server``  — ``steerserve serve --steering off``, a subprocess;
+* ``engine``  — steerserve's engine without the gateway: ``AsyncLLM`` with the plugin, in this
+  process (server/backend.py's ``Backend``), token ids in as the server sends them;
+* ``steered`` — the same engine, every request steered (one random vector of norm
+  ``--vector-norm`` at the middle layer, positions ``all``).
+
+Per round and arm, in the order A B C D, rotated every round so no arm always follows another:
+``--requests`` sequential streamed 16-token completions (TTFT, mean inter-token latency, total),
+as many collected ones (total), then a burst of ``--burst`` concurrent ``--burst-tokens``-token
+completions (tokens/s). Greedy, ``ignore_eos``. Ratios: medians of per-round ratios (robust to
+background load that drifts between rounds) and ratios of the pooled medians.
+
+    .venv/bin/python bench/latency.py                       # tiny 28-block Llama (seconds)
+    .venv/bin/python bench/latency.py --model gemma-3-270m --rounds 6
+    .venv/bin/python bench/latency.py --model default --sequential   # one server at a time
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARMS = ("stock", "server", "engine", "steered")
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Peru is"
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+
+
+def cpu_info() -> str:
+    """The CPU model and the flags that decide vLLM's CPU kernels."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
+    from steerserve.engine.cpu import cpu_flags
+
+    flags = cpu_flags(text)
+    return f"{name or platform.processor()}; flags: {' '.join(f for f in FLAGS if f in flags)}"
+
+
+def model_dir(name: str) -> Path:
+    """``tiny``: a random 28-block Llama (hidden 256, byte vocabulary) built once: per-step costs
+    of a deep model at toy compute. Else an embedded model name or a checkpoint folder."""
+    if name == "tiny":
+        from steerserve.models import cache_dir
+        from steerserve.tiny import build_tiny_model
+
+        return build_tiny_model(
+            cache_dir() / "bench" / "tiny-llama-28x256", num_layers=28, hidden=256
+        )
+    from steerserve.models import resolve_model
+
+    return Path(resolve_model(name))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server subprocess in its own session (its engine processes go with it on stop)."""
+
+    def __init__(self, arm: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.arm, self.port, self.log = arm, int(cmd[cmd.index("--port") + 1]), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def tree(self) -> list:
+        import psutil
+
+        top = psutil.Process(self.proc.pid)
+        return [top, *top.children(recursive=True)]
+
+    def wait_ready(self, path: str, timeout: float = 900) -> None:
+        import httpx
+
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.arm} exited {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.arm} not ready; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Proc:
+    """``stock`` or ``server`` with the same engine settings; every core bound in both."""
+    port = str(_free_port())
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", port]
+    common += ["--max-num-seqs", str(a.max_num_seqs), "--served-model-name", "bench"]
+    if arm == "stock":
+        env["VLLM_PLUGINS"] = "none"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        cmd += common + ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
+        cmd += ["--seed", "0"]
+    else:
+        empty = logs / "no-vectors"
+        empty.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model)]
+        cmd += common + ["--kv-cache-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
+        cmd += ["--steering", "off", "--vectors-dir", str(empty), "--log-level", "warning"]
+    p = Proc(arm, cmd, env, logs / f"{arm}.log")
+    p.wait_ready("/health" if arm == "stock" else "/ready")
+    return p
+
+
+# --- one request, by path ------------------------------------------------------------------------
+
+
+async def http_one(c, tokens: int, stream: bool) -> tuple[float, float, list[float], int]:  # noqa: ANN001
+    """(total s, TTFT s, inter-token gaps s, tokens) of one completion over HTTP."""
+    body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": stream}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return time.perf_counter() - t0, 0.0, [], r.json()["usage"]["completion_tokens"]
+    stamps: list[float] = []
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return time.perf_counter() - t0, stamps[0] - t0, gaps, len(stamps)
+
+
+class Direct:
+    """The ``engine``/``steered`` arms: steerserve's Backend (AsyncLLM + plugin), no HTTP."""
+
+    def tree(self) -> list:
+        return self.procs
+
+    def __init__(self, model: Path, a: argparse.Namespace) -> None:
+        from steerserve.engine.api import EngineConfig
+        from steerserve.server.backend import Backend
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        self.backend = Backend(
+            EngineConfig(
+                model=str(model),
+                dtype=a.dtype,
+                max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs,
+                kv_cache_memory_bytes=a.kv_cache_bytes,
+            )
+        )
+        self.norm = a.vector_norm
+        self.entries: list = []
+
+    async def start(self) -> None:
+        import psutil
+        import torch
+
+        from steerserve.engine.spec import SteeringEntry
+
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        await self.backend.start()
+        self.procs = [me] + [p for p in me.children(recursive=True) if p.pid not in before]
+        self.ids = list(self.backend.tokenizer.encode(PROMPT))
+        v = torch.randn(self.backend.shape.hidden_size, generator=torch.Generator().manual_seed(0))
+        await self.backend.register("bench/latency", v / v.norm() * self.norm)
+        mid = self.backend.shape.num_layers // 2
+        self.entries = [SteeringEntry("bench/latency", mid, 1.0, "all")]
+
+    async def one(self, steered: bool, tokens: int, stream: bool) -> tuple:
+        import uuid
+
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
+        prepared = self.backend.prepare(self.entries if steered else None)
+        t0 = time.perf_counter()
+        stamps, n = [], 0
+        async for out in self.backend.generate(self.ids, sp, prepared, uuid.uuid4().hex):
+            k = len(out.outputs[0].token_ids)
+            n = k if not stream else n + k
+            stamps += [time.perf_counter()] * k
+        total = time.perf_counter() - t0
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > a]
+        return total, (stamps[0] - t0) if stream else 0.0, gaps, n
+
+
+# --- the rounds ----------------------------------------------------------------------------------
+
+
+async def measure_arm(arm: str, target, a: argparse.Namespace, rnd: int) -> dict:  # noqa: ANN001
+    """One round of one arm: streamed and collected single requests, then a burst."""
+    import httpx
+
+    if isinstance(target, Direct):
+        steered = arm == "steered"
+
+        async def call(tokens: int, stream: bool) -> tuple:
+            return await target.one(steered, tokens, stream)
+    else:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        client = httpx.AsyncClient(base_url=target.url, timeout=600, limits=limits)
+
+        async def call(tokens: int, stream: bool) -> tuple:
+            return await http_one(client, tokens, stream)
+
+    try:
+        await call(a.tokens, False)  # untimed: a freshly started server's first request
+        res: dict = {"stream": [], "collected": []}
+        procs = target.tree()
+        spies = (
+            []
+            if not a.profile
+            else [Spy(p, Path(a.profile) / f"{arm}-{rnd}", i) for i, p in enumerate(procs)]
+        )
+        if spies:
+            time.sleep(1.0)  # attached before the first request
+        cpu0 = cpu_by_role(procs)
+        for _ in range(a.requests):
+            res["stream"].append(await call(a.tokens, True))
+            res["collected"].append((await call(a.tokens, False))[0])
+        cpu1 = cpu_by_role(procs)
+        for spy in spies:
+            spy.stop()
+        res["cpu_ms"] = {k: 1e3 * (cpu1[k] - cpu0.get(k, 0.0)) / (2 * a.requests) for k in cpu1}
+        t0 = time.perf_counter()
+        burst = await asyncio.gather(*(call(a.burst_tokens, False) for _ in range(a.burst)))
+        res["burst_tps"] = sum(b[3] for b in burst) / (time.perf_counter() - t0)
+        return res
+    finally:
+        if not isinstance(target, Direct):
+            await client.aclose()
+
+
+class Spy:
+    """py-spy sampling one process (raw collapsed stacks, file named by its role) until stopped."""
+
+    def __init__(self, proc, folder: Path, i: int) -> None:  # noqa: ANN001
+        role = "api" if i == 0 else "".join(c for c in proc.name() if not c.isdigit())
+        spy = Path(sys.executable).with_name("py-spy")
+        cmd = [str(spy), "record", "-p", str(proc.pid), "-f", "raw", "--nolineno", "-r", "100"]
+        folder.mkdir(parents=True, exist_ok=True)
+        out = folder / f"{role.replace(':', '_')}-{proc.pid}.txt"
+        self.proc = subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+
+
+#: (category, substrings of a collapsed stack; the first rule that matches counts the sample)
+RULES = [
+    (
+        "waiting (spin, poll, sleep)",
+        (
+            "sched_yield",
+            "Condition.wait",
+            "select",
+            "Poller.poll",
+            "_recv",
+            "Event.wait",
+            ";sleep",
+            "Queue.get",
+        ),
+    ),
+    ("steering hook + op", ("(steerserve/engine/buffers.py);hook", "steerserve/engine/op.py")),
+    ("steering seam: index fill", ("prepare_step (steerserve",)),
+    ("steering seam: slots", ("sync (steerserve",)),
+    ("model forward", ("_model_forward (",)),
+    ("sampling", ("_sample (", "sample_tokens (")),
+    ("runner: update states", ("_update_states (",)),
+    ("runner: other", ("execute_model (",)),
+    ("engine core: scheduler", ("schedule (vllm",)),
+    ("tokenize", ("encode (", "tokeniz", "apply_chat_template")),
+    ("detokenize", ("detokeniz", "decode (")),
+    ("steerserve server", ("steerserve/server",)),
+    ("http (uvicorn, starlette, fastapi)", ("uvicorn", "starlette", "fastapi", "h11", "httptools")),
+    ("vLLM OpenAI front end", ("vllm/entrypoints",)),
+    ("output processor", ("output_processor",)),
+    ("engine core client", ("core_client",)),
+]
+
+
+def category(stack: str) -> str:
+    """The first rule matching: the leaf (last two frames) for waiting, else the whole stack."""
+    leaf = ";" + ";".join(stack.split(";")[-2:])
+    for cat, pats in RULES:
+        where = leaf if cat.startswith("waiting") else stack
+        if any(p in where for p in pats):
+            return cat
+    return "event loop (native)" if stack.endswith("Runner.run") else "other"
+
+
+def breakdown(rounds: list[Path], requests: int) -> dict[str, dict[str, float]]:
+    """ms of sampled stacks per single request, by process role and category (mean over the
+    round folders ``rounds``; py-spy drops most idle threads, not spinning or polling ones)."""
+    import re
+
+    out: dict[str, dict[str, float]] = {}
+    for folder in rounds:
+        for f in folder.glob("*.txt"):
+            role = f.stem.rsplit("-", 1)[0]
+            for m in re.finditer(r"^(.*) (\d+)$", f.read_text(errors="replace"), re.M):
+                per = out.setdefault(role, {})
+                cat = category(m.group(1))
+                ms = int(m.group(2)) / 100 * 1e3 / (2 * requests * len(rounds))
+                per[cat] = per.get(cat, 0.0) + ms
+    return out
+
+
+def cpu_by_role(procs: list) -> dict[str, float]:
+    """CPU seconds (user + system) by process: the first is the front end ("api"; in this
+    process for the engine arms, with the client loop), the others by name (EngineCore, worker)."""
+    out: dict[str, float] = {}
+    for i, p in enumerate(procs):
+        try:
+            t = p.cpu_times()
+            role = "api" if i == 0 else "".join(c for c in p.name() if not c.isdigit())
+        except Exception:  # noqa: BLE001 (a process gone: nothing to count)
+            continue
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
+def summary(rounds: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
+    med = statistics.median
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+    out: dict[str, dict[str, float]] = {}
+    for arm in rounds[0]:
+        rs = [r[arm] for r in rounds]
+        coll = [x for r in rs for x in r["collected"]]
+        st = [x for r in rs for x in r["stream"]]
+        out[arm] = {
+            "p50_s": med(coll),
+            "p90_s": pct(coll, 0.9),
+            "stream_p50_s": med([s[0] for s in st]),
+            "ttft_ms": 1e3 * med([s[1] for s in st]),
+            "itl_ms": 1e3 * med([g for s in st for g in s[2]] or [0.0]),
+            "burst_tps": med([r["burst_tps"] for r in rs]),
+            "cpu_ms": {k: med([r["cpu_ms"].get(k, 0.0) for r in rs]) for k in rs[0]["cpu_ms"]},
+            # per-round medians, for paired ratios
+            "_p50": [med(r["collected"]) for r in rs],
+            "_burst": [r["burst_tps"] for r in rs],
+        }
+    return out
+
+
+def ratio(s: dict, num: str, den: str, key: str) -> float:
+    return statistics.median(x / y for x, y in zip(s[num][key], s[den][key], strict=True))
+
+
+def report(s: dict, meta: str) -> str:
+    md = [meta, ""]
+    md.append("| arm | p50 s | p90 s | streamed p50 s | TTFT ms | ITL ms | burst tok/s |")
+    md.append("|---|---|---|---|---|---|---|")
+    for arm, v in s.items():
+        md.append(
+            f"| {arm} | {v['p50_s']:.3f} | {v['p90_s']:.3f} | {v['stream_p50_s']:.3f} "
+            f"| {v['ttft_ms']:.1f} | {v['itl_ms']:.2f} | {v['burst_tps']:.1f} |"
+        )
+    md += ["", "CPU ms per single request (median over rounds), by process:", ""]
+    for arm, v in s.items():
+        md.append(f"- {arm}: " + ", ".join(f"{k} {x:.0f}" for k, x in v["cpu_ms"].items()))
+    md += [
+        "",
+        "| ratio (paired: median over rounds) | p50 | burst tok/s | target |",
+        "|---|---|---|---|",
+    ]
+    pairs = [("server", "stock", "p50 ≤ 1.05, burst ≥ 0.97"), ("engine", "stock", ""),
+             ("server", "engine", "(the gateway)"), ("steered", "engine", "burst ≥ 0.97")]  # fmt: skip
+    for num, den, target in pairs:
+        if num in s and den in s:
+            md.append(
+                f"| {num} / {den} | **{ratio(s, num, den, '_p50'):.3f}** "
+                f"| **{ratio(s, num, den, '_burst'):.3f}** | {target} |"
+            )
+    return "\n".join(md) + "\n"
+
+
+async def run(a: argparse.Namespace) -> None:
+    model = model_dir(a.model)
+    arms = [x for x in a.arms.split(",") if x]
+    logs = Path(a.logs or tempfile.mkdtemp(prefix="steerserve-latency-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()
+    targets: dict[str, object] = {}
+    direct = None
+    try:
+        if not a.sequential:  # all up at once; only one works at a time
+            for arm in arms:
+                if arm in ("stock", "server"):
+                    targets[arm] = start_server(arm, model, a, logs)
+        if {"engine", "steered"} & set(arms):
+            direct = Direct(model, a)
+            await direct.start()
+        rounds: list[dict[str, dict]] = []
+        for i in range(a.rounds + 1):  # round 0 warms every path and is dropped
+            order = arms[i % len(arms) :] + arms[: i % len(arms)]
+            got: dict[str, dict] = {}
+            for arm in order:
+                if arm in ("engine", "steered"):
+                    target = direct
+                elif a.sequential:
+                    target = start_server(arm, model, a, logs)
+                else:
+                    target = targets[arm]
+                try:
+                    got[arm] = await measure_arm(arm, target, a, i)
+                finally:
+                    if a.sequential and arm in ("stock", "server"):
+                        target.stop()
+            print(f"round {i}: " + ", ".join(f"{k} {med_s(v)}" for k, v in got.items()), flush=True)
+            if i:
+                rounds.append({arm: got[arm] for arm in arms})
+                if a.json:  # every round, so a stopped run keeps what it measured
+                    Path(a.json).write_text(json.dumps({"rounds": rounds}, indent=1))
+    finally:
+        for t in targets.values():
+            t.stop()
+        if direct is not None:
+            await direct.backend.shutdown()
+    load1 = os.getloadavg()
+    meta = (
+        f"`bench/latency.py --model {a.model} --dtype {a.dtype} --rounds {a.rounds} "
+        f"--requests {a.requests} --tokens {a.tokens} --burst {a.burst} --burst-tokens "
+        f"{a.burst_tokens}{' --sequential' if a.sequential else ''}`; {time.strftime('%Y-%m-%d')}; "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu_info()}; eager, KV cache "
+        f"{a.kv_cache_bytes >> 20} MiB, every core bound; load average (1/5 min) "
+        f"{load0[0]:.1f}/{load0[1]:.1f} at start, {load1[0]:.1f}/{load1[1]:.1f} at end; logs {logs}"
+    )
+    s = summary(rounds)
+    print("\n" + report(s, meta))
+    if a.profile:
+        print("py-spy: ms of sampled (non-idle) Python stacks per single request")
+        for arm in arms:
+            folders = sorted(Path(a.profile).glob(f"{arm}-*"))
+            folders = [f for f in folders if not f.name.endswith("-0")]
+            for role, cats in breakdown(folders, a.requests).items():
+                top = sorted(cats.items(), key=lambda kv: -kv[1])
+                print(f"- {arm} / {role}: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1))
+
+
+def med_s(v: dict) -> str:
+    return f"{statistics.median(v['collected']):.3f}s/{v['burst_tps']:.0f}tok/s"
+
+
+def main() -> None:
+    from steerserve.engine.cpu import serve_dtype
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, an embedded model name, or a folder")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU has it natively")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up)")
+    ap.add_argument("--requests", type=int, default=3, help="single requests per arm and round")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--burst", type=int, default=16)
+    ap.add_argument("--burst-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    ap.add_argument("--vector-norm", type=float, default=10.0)
+    ap.add_argument("--sequential", action="store_true", help="one server at a time (big models)")
+    ap.add_argument("--logs", help="server logs here (default: a temp dir)")
+    ap.add_argument("--json", help="write every round here")
+    ap.add_argument("--profile", help="py-spy every arm's single requests into this folder")
+    ap.add_argument("--summarize", help="only print the tables of a --json file (a stopped run)")
+    a = ap.parse_args()
+    if a.dtype == "auto":
+        a.dtype = "bfloat16" if serve_dtype("auto", False) == "auto" else "float32"
+    if a.summarize:
+        rounds = json.loads(Path(a.summarize).read_text())["rounds"]
+        print(report(summary(rounds), f"{a.summarize}: {len(rounds)} rounds"))
+        return
+    asyncio.run(run(a))
+
+
+if __name__ == "__main__":
+    main()
