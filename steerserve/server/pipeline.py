@@ -4,66 +4,41 @@ check -> steer -> sampling params -> submit -> collect or stream -> finish.
 
 What differs between endpoints (schema, prompts, answer shapes) is in ``endpoints.py``. The rest
 is written once here: the checks before the engine sees anything, language detection and policy,
-admission, and :class:`Flight`, which settles a submitted request whatever happens (the queue
-gauge, the client going away, engine errors, closing engine requests, token and request metrics).
+admission, submission and the collected answer. Beside it, by job: ``flight.py`` settles a
+submitted request whatever happens (the queue gauge, the client going away, engine errors,
+closing engine requests, token and request metrics), ``streaming.py`` streams an answer, and
+``enrolment.py`` puts a request under the A/B experiment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
-from steerserve.server.backend import copies, engine_error
-from steerserve.server.drain import Drain
-from steerserve.server.endpoints import ArmOutput, Endpoint, Prompts, sse
-from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
+from steerserve.server.backend import copies
+from steerserve.server.endpoints import ArmOutput, Endpoint
+from steerserve.server.enrolment import decide, enrol
+from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
 from steerserve.server.policy import OFF
-from steerserve.server.protocol import (
-    ApiError,
-    ExperimentInfo,
-    SteeringInfo,
-    Usage,
-    read_request,
-)
+from steerserve.server.protocol import ApiError, ExperimentInfo, SteeringInfo, Usage, read_request
 from steerserve.server.steering import SteeringSpec
+from steerserve.server.streaming import stream
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState
 
-logger = logging.getLogger("steerserve.server")
+__all__ = ["Call", "finish", "handle", "refused"]  # the app's: counting refused requests
 
 HEADER = "x-steerserve-steering"
-DONE = "data: [DONE]\n\n"
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-@dataclass
-class Call:
-    """Per-request bookkeeping, also read by the app's error handlers (metrics need the endpoint
-    and the arm; ``arm`` stays "none" for a request refused before steering was decided)."""
-
-    endpoint: str
-    arm: str = "none"
-    t0: float = field(default_factory=time.perf_counter)
-    done: bool = False
-    experiment: Enrolled | None = None  # under the server's A/B experiment
-    tokens: tuple[int, int] = (0, 0)  # prompt, completion (all arms), once settled
 
 
 @dataclass(frozen=True)
@@ -74,97 +49,6 @@ class Arm:
     prepared: Prepared
     info: SteeringInfo
     suffix: str = ""  # of the response id (the A/B arms: -a, -b)
-
-
-# --- finish -------------------------------------------------------------------------------------
-
-
-def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> None:
-    """Count a finished request and log it (one structured line per request, once)."""
-    if call.done:
-        return
-    call.done = True
-    seconds = time.perf_counter() - call.t0
-    state.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
-    if call.experiment is not None:
-        settle_experiment(state, call, status, seconds if timed else None)
-    logger.info(
-        "request endpoint=%s arm=%s status=%d ms=%.1f",
-        call.endpoint,
-        call.arm,
-        status,
-        seconds * 1e3,
-    )
-
-
-def refused(request: Request, status: int) -> None:
-    """For the app's error handlers: count a request refused with ``status`` (not timed)."""
-    call: Call | None = getattr(request.state, "call", None)
-    if call is not None:
-        finish(request.app.state.steer, call, status, timed=False)
-
-
-class Flight:
-    """A submitted request until it is settled, collected or streamed alike: the queue gauge; the
-    client going away (499, the engine requests aborted); an engine error as an API error; every
-    engine request closed; tokens counted per arm; the request counted once."""
-
-    def __init__(
-        self, state: ServerState, call: Call, request: Request, gens: Sequence[AsyncGenerator]
-    ) -> None:
-        self.state, self.call, self.request, self.gens = state, call, request, gens
-        self.status = 200
-        self.tokens: dict[str, list[int]] = {}
-
-    def count(self, arm: str, prompt: int, completion: int) -> None:
-        t = self.tokens.setdefault(arm, [0, 0])
-        t[0] += prompt
-        t[1] += completion
-
-    def failed(self, e: BaseException) -> ApiError:
-        err = engine_error(e)
-        self.status = err.status
-        return err
-
-    async def __aenter__(self) -> Flight:
-        self.state.metrics.queue_depth.inc()
-        return self
-
-    async def __aexit__(
-        self, typ: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        gone = isinstance(e, (ClientGone, asyncio.CancelledError, GeneratorExit))
-        err = None if e is None or gone else self.failed(e)
-        try:
-            if e is None and await client_gone(self.request):
-                gone = True  # the answer was ready, but nobody is there to read it
-        except asyncio.CancelledError:  # cancelled for the hang-up while looking for it
-            gone = True
-            raise
-        finally:
-            self._settle(499 if gone else self.status)
-            # Closing aborts unfinished engine requests; a cancellation of this task (Starlette
-            # cancels a stream's task group again at every await) must not stop it half-way.
-            await asyncio.shield(asyncio.ensure_future(_close(self.gens)))
-        if err is not None:
-            raise err from None
-        return isinstance(e, ClientGone)  # collected: answered 499 by the caller
-
-    def _settle(self, status: int) -> None:
-        self.status = status
-        self.state.metrics.queue_depth.dec()
-        for arm, (prompt, completion) in self.tokens.items():
-            self.state.metrics.count_tokens(arm, prompt, completion)
-        self.call.tokens = (
-            sum(t[0] for t in self.tokens.values()),
-            sum(t[1] for t in self.tokens.values()),
-        )
-        finish(self.state, self.call, status)
-
-
-async def _close(gens: Sequence[AsyncGenerator]) -> None:
-    for g in gens:
-        await g.aclose()
 
 
 # --- the path -----------------------------------------------------------------------------------
@@ -305,143 +189,8 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
     ]
 
 
-# --- the A/B experiment ------------------------------------------------------------------------
-
-
-@dataclass
-class Enrolled:
-    """A request under the server's A/B experiment: its ``experiment`` echo and, when enrolled,
-    what the decision log gets once it is answered (``replies`` only with --ab-log-content)."""
-
-    echo: ExperimentInfo
-    rid: str = ""
-    decision: dict[str, Any] | None = None
-    replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
-
-    def add_replies(self, i: int, out: Any) -> None:
-        """A streamed step's text deltas of prompt ``i``."""
-        assert self.replies is not None
-        for c in out.outputs:
-            self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
-
-
-def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> SteeringSpec | None:
-    """The steering under the A/B experiment: a request without ``steering`` and with a subject
-    (its ``user``, else the subject header) gets its arm's; one without a subject is served as
-    before, marked un-enrolled. Explicit steering and the A/B endpoint are left alone."""
-    exp = state.experiment
-    if exp is None or ep.ab or req.steering is not None:
-        return req.steering
-    call: Call = request.state.call
-    subject = req.user
-    if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
-        try:
-            subject = header_subject(raw)
-        except ValueError as e:
-            raise ApiError(str(e), param=SUBJECT_HEADER) from None
-    if not subject:
-        call.experiment = Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
-        return None
-    a = exp.assign(subject)
-    call.experiment = Enrolled(ExperimentInfo(**a.echo()))
-    return exp.steering(a.arm, state.settings.steering)
-
-
 def tagged(arm: Arm, echo: ExperimentInfo) -> Arm:
     return dataclasses.replace(arm, info=arm.info.model_copy(update={"experiment": echo}))
-
-
-async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Prompts) -> None:
-    """An enrolled request's decision, logged when it is answered. The language is detected for
-    both arms (``auto`` already did for the steered one), so the report compares like with like."""
-    ab = call.experiment
-    if ab is None or ab.echo.arm == UNENROLLED:
-        return
-    info, text = arm.info, "\n".join(prompts.language_texts)
-    lang = info.detected_language
-    if lang is None:
-        try:
-            lang = await asyncio.to_thread(state.detector.detect, text)
-        except Exception:  # undetectable text
-            lang = None
-    ab.rid = rid
-    ab.replies = {} if state.decisions.log.content else None
-    ab.decision = {
-        "experiment": ab.echo.name,
-        "arm": ab.echo.arm,
-        "subject_hash": ab.echo.subject_hash,
-        "endpoint": call.endpoint,
-        "model": state.model_name,
-        "language": lang,
-        "applied": info.applied,
-        "vectors": [iv.vector for iv in info.interventions],
-        "prompt": prompts.texts,  # dropped unless --ab-log-content
-    }
-
-
-def settle_experiment(state: ServerState, call: Call, status: int, seconds: float | None) -> None:
-    """Metrics by experiment and arm; an answered enrolled request goes to the decision log (a
-    failed write is counted there, never the request's failure)."""
-    ab = call.experiment
-    assert ab is not None
-    state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, call.tokens)
-    if ab.decision is None or status != 200:
-        return
-    record = {
-        **ab.decision,
-        "latency_ms": None if seconds is None else round(seconds * 1e3, 1),
-        "prompt_tokens": call.tokens[0],
-        "completion_tokens": call.tokens[1],
-    }
-    if ab.replies is not None:
-        record["reply"] = [ab.replies[k] for k in sorted(ab.replies)]
-    state.decisions.record(ab.rid, record)
-
-
-# --- collect ------------------------------------------------------------------------------------
-
-
-async def client_gone(request: Request) -> bool:
-    """Whether the client has hung up. A hang-up that arrived while the event loop was busy is
-    still queued as I/O: a few loop turns let the server see it before it is asked."""
-    for _ in range(3):
-        await asyncio.sleep(0)
-    return await request.is_disconnected()
-
-
-async def until_disconnect(request: Request, work: Awaitable[T], drain: Drain) -> T:
-    """Run ``work``; cancel it (aborting generation) and raise :class:`ClientGone` if the client
-    disconnects first, or the drain's :class:`Dropped` at its deadline. Cancelled itself, it
-    cancels ``work`` before going (else ``work`` reads engine streams that are being closed).
-    Once a stream has started, Starlette cancels it on a hang-up."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    dropper = asyncio.ensure_future(drain.wait())
-    try:
-        await asyncio.wait({task, watcher, dropper}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        await _cancel(task)
-        raise
-    finally:
-        watcher.cancel()
-        dropper.cancel()
-    if task.done():
-        return task.result()
-    await _cancel(task)
-    if drain.dropping:
-        raise drain.error()
-    raise ClientGone
-
-
-async def _cancel(task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` and wait until it has stopped (whatever it raises: its request is gone)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 async def collect_all(gens: list[list[AsyncGenerator]]) -> list[list[Any]]:
@@ -461,136 +210,3 @@ async def collect_all(gens: list[list[AsyncGenerator]]) -> list[list[Any]]:
 def _usage(outputs: Sequence[Any]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     return Usage.of(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
-
-
-# --- stream -------------------------------------------------------------------------------------
-
-
-async def stream(
-    state: ServerState,
-    call: Call,
-    request: Request,
-    labels: list[str],
-    events: Any,
-    gens: list[AsyncGenerator],
-    prompts: Prompts,
-    headers: dict[str, str],
-) -> Response:
-    """Wait for every request's first output, so engine-side refusals are still a proper 4xx
-    (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream."""
-    try:
-        firsts = await until_disconnect(request, first_outputs(gens), state.drain)
-    except ClientGone:
-        async with Flight(state, call, request, gens) as flight:
-            raise ClientGone from None
-        return Response(status_code=flight.status)
-    except Exception as e:
-        for g in gens:
-            await g.aclose()
-        raise engine_error(e) from None
-    body = _events(state, call, request, labels, events, gens, firsts, prompts)
-    headers = {**headers, "cache-control": "no-cache"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-
-
-async def first_outputs(gens: list[AsyncGenerator]) -> list[Any]:
-    """The first output of every engine request (None for one that ended without any)."""
-    firsts = []
-    for g in gens:
-        try:
-            firsts.append(await g.__anext__())
-        except StopAsyncIteration:
-            firsts.append(None)
-    return firsts
-
-
-async def _events(
-    state: ServerState,
-    call: Call,
-    request: Request,
-    labels: list[str],
-    events: Any,
-    gens: list[AsyncGenerator],
-    firsts: list[Any],
-    prompts: Prompts,
-) -> AsyncIterator[str]:
-    """The endpoint's events, ``[DONE]``, an engine error as a final OpenAI-format event
-    (tokens counted under each prompt's arm ``labels``)."""
-    prompt_tokens = sum(map(len, prompts.ids))
-    async with Flight(state, call, request, gens) as flight:
-        for label, ids in zip(labels, prompts.ids, strict=True):
-            flight.count(label, len(ids), 0)
-        merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)], state.drain)
-        completion = 0
-        try:
-            for ev in events.head():
-                yield ev
-            async for i, out in merged:
-                n = sum(len(o.token_ids) for o in out.outputs)
-                completion += n
-                flight.count(labels[i], 0, n)
-                if call.experiment is not None and call.experiment.replies is not None:
-                    call.experiment.add_replies(i, out)
-                for ev in events.step(i, out):
-                    yield ev
-            for ev in events.tail(Usage.of(prompt_tokens, completion)):
-                yield ev
-            yield DONE
-        except Exception as e:
-            yield sse(flight.failed(e).body())
-            yield DONE
-        finally:
-            await merged.aclose()
-
-
-async def _chained(first: Any, gen: AsyncGenerator) -> AsyncIterator[Any]:
-    """``first`` (already awaited) followed by the rest of ``gen``."""
-    if first is not None:
-        yield first
-        async for out in gen:
-            yield out
-
-
-async def merge(
-    gens: list[AsyncIterator[Any]], drain: Drain | None = None
-) -> AsyncGenerator[tuple[int, Any], None]:
-    """Interleave several engine streams; closing the merge cancels (aborts) them all. At the
-    ``drain``'s deadline it raises :class:`Dropped` (the stream's last event says so)."""
-    if len(gens) == 1 and drain is None:
-        async for out in gens[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-    if drain is not None:
-        stopper = asyncio.ensure_future(drain.wait())
-        stopper.add_done_callback(
-            lambda t: None if t.cancelled() else queue.put_nowait((-1, drain.error()))
-        )
-
-    async def pump(i: int, gen: AsyncIterator[Any]) -> None:
-        try:
-            async for out in gen:
-                queue.put_nowait((i, out))
-        except Exception as e:
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        if drain is not None:
-            stopper.cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,108 @@
+"""A generation request under the server's A/B experiment: who is enrolled in which arm
+(:func:`enrol`), the decision the log gets (:func:`decide`), and, once the request is settled,
+its metrics and log line (:func:`settle_experiment`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from steerserve.server.endpoints import Endpoint, Prompts
+from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
+from steerserve.server.protocol import ApiError, ExperimentInfo
+from steerserve.server.steering import SteeringSpec
+
+if TYPE_CHECKING:
+    from steerserve.server.flight import Call
+    from steerserve.server.pipeline import Arm
+    from steerserve.server.state import ServerState
+
+
+@dataclass
+class Enrolled:
+    """A request under the server's A/B experiment: its ``experiment`` echo and, when enrolled,
+    what the decision log gets once it is answered (``replies`` only with --ab-log-content)."""
+
+    echo: ExperimentInfo
+    rid: str = ""
+    decision: dict[str, Any] | None = None
+    replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
+
+    def add_replies(self, i: int, out: Any) -> None:
+        """A streamed step's text deltas of prompt ``i``."""
+        assert self.replies is not None
+        for c in out.outputs:
+            self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
+
+
+def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> SteeringSpec | None:
+    """The steering under the A/B experiment: a request without ``steering`` and with a subject
+    (its ``user``, else the subject header) gets its arm's; one without a subject is served as
+    before, marked un-enrolled. Explicit steering and the A/B endpoint are left alone."""
+    exp = state.experiment
+    if exp is None or ep.ab or req.steering is not None:
+        return req.steering
+    call: Call = request.state.call
+    subject = req.user
+    if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
+        try:
+            subject = header_subject(raw)
+        except ValueError as e:
+            raise ApiError(str(e), param=SUBJECT_HEADER) from None
+    if not subject:
+        call.experiment = Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
+        return None
+    a = exp.assign(subject)
+    call.experiment = Enrolled(ExperimentInfo(**a.echo()))
+    return exp.steering(a.arm, state.settings.steering)
+
+
+async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Prompts) -> None:
+    """An enrolled request's decision, logged when it is answered. The language is detected for
+    both arms (``auto`` already did for the steered one), so the report compares like with like."""
+    ab = call.experiment
+    if ab is None or ab.echo.arm == UNENROLLED:
+        return
+    info, text = arm.info, "\n".join(prompts.language_texts)
+    lang = info.detected_language
+    if lang is None:
+        try:
+            lang = await asyncio.to_thread(state.detector.detect, text)
+        except Exception:  # undetectable text
+            lang = None
+    ab.rid = rid
+    ab.replies = {} if state.decisions.log.content else None
+    ab.decision = {
+        "experiment": ab.echo.name,
+        "arm": ab.echo.arm,
+        "subject_hash": ab.echo.subject_hash,
+        "endpoint": call.endpoint,
+        "model": state.model_name,
+        "language": lang,
+        "applied": info.applied,
+        "vectors": [iv.vector for iv in info.interventions],
+        "prompt": prompts.texts,  # dropped unless --ab-log-content
+    }
+
+
+def settle_experiment(state: ServerState, call: Call, status: int, seconds: float | None) -> None:
+    """Metrics by experiment and arm; an answered enrolled request goes to the decision log (a
+    failed write is counted there, never the request's failure)."""
+    ab = call.experiment
+    assert ab is not None
+    state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, call.tokens)
+    if ab.decision is None or status != 200:
+        return
+    record = {
+        **ab.decision,
+        "latency_ms": None if seconds is None else round(seconds * 1e3, 1),
+        "prompt_tokens": call.tokens[0],
+        "completion_tokens": call.tokens[1],
+    }
+    if ab.replies is not None:
+        record["reply"] = [ab.replies[k] for k in sorted(ab.replies)]
+    state.decisions.record(ab.rid, record)
