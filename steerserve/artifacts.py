@@ -14,10 +14,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,6 +32,7 @@ SCHEMA_VERSION = 1
 LAYER_CONVENTION = "output of decoder block L (0-based) = transformers hidden_states[L+1]"
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "vectors.safetensors"
+R = TypeVar("R")  # what a name resolves among: artifacts, scanned folders, directories
 EMBED_ROWS, EMBED_COLS = 64, 256
 FINGERPRINT_METHOD = (
     "steerserve-fp-v1: sha256 of canonical JSON of the config's shape keys; "
@@ -573,10 +574,34 @@ def version_key(v: str) -> list[Any]:
     return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", v) if s]
 
 
+def named(ref: str, items: Iterable[R], name_version: Callable[[R], tuple[str, str]]) -> list[R]:
+    """The items ``ref`` names, newest version first (ties in their given order): ``name/version``
+    exactly, or every version of ``name``. The one rule of "name or name/version, newest wins",
+    for the CLI's artifact directories, the server's loads by name and a request's artifact."""
+    name, slash, version = ref.partition("/")
+    hits = [
+        x
+        for x in items
+        if name_version(x)[0] == name and (not slash or name_version(x)[1] == version)
+    ]
+    return _newest_version_first(hits, name_version)
+
+
+def _newest_version_first(
+    items: Iterable[R], name_version: Callable[[R], tuple[str, str]]
+) -> list[R]:
+    """Newest version first by :func:`version_key`; a stable sort keeps ties in their order."""
+    return sorted(items, key=lambda x: version_key(name_version(x)[1]), reverse=True)
+
+
+def _artifact_name_version(a: Artifact) -> tuple[str, str]:
+    return a.manifest.name, a.manifest.version
+
+
 def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
     """By name, each name's newest version first: the order a server loads artifacts in, so the
     first is the one it serves by default."""
-    newest = sorted(arts, key=lambda a: version_key(a.manifest.version), reverse=True)
+    newest = _newest_version_first(arts, _artifact_name_version)
     return sorted(newest, key=lambda a: a.manifest.name)
 
 
@@ -603,12 +628,11 @@ def resolve_artifact(ref: str, root: str | Path = "vectors") -> Path:
     base = Path(root) / ref
     if (base / MANIFEST_FILE).is_file():
         return base
-    versions = (
-        [p.name for p in base.iterdir() if (p / MANIFEST_FILE).is_file()] if base.is_dir() else []
-    )
+    dirs = [p for p in base.iterdir() if (p / MANIFEST_FILE).is_file()] if base.is_dir() else []
+    versions = named(base.name, dirs, lambda p: (base.name, p.name))  # every version, newest first
     if not versions:
         raise ArtifactError(f"no artifact {ref!r} under {str(root)!r}")
-    return base / max(versions, key=version_key)
+    return versions[0]
 
 
 # --- llama.cpp GGUF control vectors ------------------------------------------------------------

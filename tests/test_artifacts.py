@@ -295,6 +295,18 @@ def test_find_and_filter(
     assert [a.key for a in A.newest_first(mine)] == ["tiny-llama/v2", "tiny-llama/v1"]
 
 
+def test_one_name_resolution() -> None:
+    """Issue 19: "name or name/version, newest wins" is ``artifacts.named``, which the CLI's
+    directories, the server's admin load and a request's artifact all use: digit runs compare as
+    numbers, ties keep their order (the server then refuses a duplicate), a version is exact."""
+    items = [("a", "v2", 0), ("a", "v10", 1), ("b", "v9", 2), ("a", "v10", 3), ("a", "v1", 4)]
+    nv = lambda x: (x[0], x[1])  # noqa: E731
+    assert [x[2] for x in A.named("a", items, nv)] == [1, 3, 0, 4]
+    assert [x[2] for x in A.named("a/v2", items, nv)] == [0]
+    assert A.named("a/", items, nv) == [] and A.named("a/v3", items, nv) == []
+    assert A.named("c", items, nv) == []
+
+
 def test_entries_are_the_calibrated_settings(art: A.Artifact) -> None:
     assert [(e.vector, e.layer, e.scale) for e in art.entries()] == [
         ("tiny-llama/v1/recall", 2, 4.0),

@@ -42,7 +42,16 @@ class VectorRegistry:
         self.hidden_size = hidden_size
         self._vectors: dict[str, RegisteredVector] = {}
 
-    def add(self, name: str, tensor: torch.Tensor, source: str | None = None) -> RegisteredVector:
+    def add(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        source: str | None = None,
+        sha256: str | None = None,
+    ) -> RegisteredVector:
+        """Check and hash a vector and register it under ``name`` (the same data again: a no-op;
+        other data: refused). ``sha256``: the data's digest when it was verified already (an
+        artifact's, by ``load_artifact``), so that it is not hashed a second time."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise ValueError(f"vector name {name!r}: use 1-200 letters, digits or _.:/@+-")
         t = torch.as_tensor(tensor).detach().to(torch.float32).cpu().contiguous()
@@ -55,7 +64,7 @@ class VectorRegistry:
             )
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"vector {name!r}: contains NaN or Inf")
-        digest = tensor_sha256(t)
+        digest = sha256 or tensor_sha256(t)
         old = self._vectors.get(name)
         if old is not None:
             if old.sha256 != digest:

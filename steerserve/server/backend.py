@@ -93,16 +93,16 @@ class Backend:
         self.llm = llm
 
     async def register(
-        self, name: str, tensor: torch.Tensor, source: str | None = None
+        self, name: str, tensor: torch.Tensor, source: str | None = None, sha256: str | None = None
     ) -> RegisteredVector:
         """Register a vector on every worker, then admit it (a name is usable only once every
-        worker holds it)."""
+        worker holds it). ``sha256``: the digest ``load_artifact`` verified, not computed again."""
         if not self.cfg.steering:
             raise ValueError("this engine was built without the steering plugin")
         async with self._register_lock:
             if name in self.registry:
-                return self.registry.add(name, tensor, source)  # same data: no-op; else refused
-            rv = VectorRegistry(self.shape.hidden_size).add(name, tensor, source)
+                return self.registry.add(name, tensor, source, sha256)  # same: no-op; else refused
+            rv = VectorRegistry(self.shape.hidden_size).add(name, tensor, source, sha256)
             await self.llm.collective_rpc("steer_register", args=vector_payload(rv))
             return self.registry.admit(rv)  # checked and hashed above: not again
 

@@ -4,18 +4,17 @@ artifacts it loads (at start, or by name at run time)."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
-import re
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts, version_key
+from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
+from steerserve.server.admin import admin_refusal, check_ref
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import (
     DRAIN_SECONDS,
@@ -36,13 +35,9 @@ from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import ApiError
 from steerserve.server.steering import DEFAULT_MODE, MODES
-from steerserve.server.vetting import check_artifacts, duplicate_refusal, scale_refusal
+from steerserve.server.vetting import check_artifacts, loadable
 
 logger = logging.getLogger("steerserve.server")
-
-_ARTIFACT_REF = re.compile(
-    r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}(/[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99})?$"
-)
 
 
 @dataclass
@@ -93,7 +88,7 @@ class ServerState:
         self.drain = Drain()  # past the drain deadline: requests in flight are answered 503
         self.created = int(time.time())
         self.loaded = False
-        self.admin_refusal = _admin_refusal(settings)
+        self.admin_refusal = admin_refusal(settings)
         if self.admin_refusal:
             logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin_refusal)
 
@@ -189,8 +184,10 @@ class ServerState:
         return scan_artifacts(root, self.settings.engine.model)
 
     async def add_artifact(self, art: Artifact, make_default: bool = False) -> Artifact:
-        for name, tensor in art.named_vectors().items():
-            await self.backend.register(name, tensor, str(art.path))
+        m = art.manifest
+        for iv in m.interventions:  # each digest verified at load: the registry does not rehash
+            tensor = art.tensors[iv.tensor]
+            await self.backend.register(m.vector_name(iv), tensor, str(art.path), iv.sha256)
         self.policy.add(art, make_default)
         return art
 
@@ -262,10 +259,7 @@ class ServerState:
             raise ApiError(self.admin_refusal, status=403, code="admin_disabled")
         if not self.ready:
             raise ApiError("the engine is still loading", status=503, type="service_unavailable")
-        if not _ARTIFACT_REF.fullmatch(ref) or ".." in ref:  # fullmatch: "$" allows a "\n"
-            raise ApiError(
-                "name: must be an artifact name, optionally /version (never a path)", param="name"
-            )
+        check_ref(ref)
         if not self.backend.cfg.steering:
             raise ApiError("this server was built without the steering plugin", param="name")
         art = await self._find(ref)
@@ -277,56 +271,7 @@ class ServerState:
         return {"loaded": loaded.key, **self.listing()}
 
     async def _find(self, ref: str) -> Artifact:
-        """``name/version``, or ``name``'s newest version, from the vectors directory: 404 when
-        there is none, 422 with the reason when it fails verification or fits another model."""
-        name, _, version = ref.partition("/")
-        found = [
-            s
-            for s in await asyncio.to_thread(self._scan)
-            if s.name == name and (not version or s.version == version)
-        ]
-        if not found:
-            raise ApiError(
-                f"name: no artifact {ref!r} in the vectors directory",
-                status=404,
-                param="name",
-                code="artifact_not_found",
-            )
-        newest = max(found, key=lambda s: version_key(s.version))
-        same = [s for s in found if (s.name, s.version) == (newest.name, newest.version)]
-        why = newest.refused
-        if len(same) > 1:
-            why = duplicate_refusal(same)
-        elif newest.artifact is not None:
-            why = scale_refusal(newest.artifact, self.settings.engine.max_abs_scale)
-        if why or newest.artifact is None:
-            root = str(Path(self.settings.vectors_dir or ".").resolve())
-            raise ApiError(  # paths relative to the vectors directory: the server's are its own
-                f"name: {newest.name}/{newest.version} cannot be loaded: "
-                + str(why).replace(root + "/", ""),
-                status=422,
-                param="name",
-                code="artifact_refused",
-            )
-        return newest.artifact
-
-
-def _admin_refusal(settings: ServerSettings) -> str | None:
-    """Why admin endpoints are refused: served beyond loopback with no API key and no opt-in,
-    anyone who reaches the port could change what every client gets."""
-    if settings.api_key or settings.open_admin or _loopback(settings.host):
-        return None
-    return (
-        f"the server listens on {settings.host!r} without an API key: set --api-key "
-        "(STEERSERVE_API_KEY), or allow open admin endpoints with --open-admin "
-        "(STEERSERVE_OPEN_ADMIN=1)"
-    )
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
+        """``name/version``, or ``name``'s newest version, from the vectors directory (404 or
+        422: ``vetting.loadable``)."""
+        found = await asyncio.to_thread(self._scan)
+        return loadable(found, ref, self.settings.engine.max_abs_scale, self.settings.vectors_dir)

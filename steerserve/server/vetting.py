@@ -1,12 +1,14 @@
 """Vetting the artifacts a server would serve, before it serves them: each must verify, fit the
 engine's scale bound and own its name/version alone. One place for these rules, used at start
-(before the engine, so a refusal costs no engine start) and by the admin load."""
+(before the engine, so a refusal costs no engine start) and by the admin load (:func:`loadable`)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from steerserve.artifacts import Artifact, Scanned
+from steerserve.artifacts import Artifact, Scanned, named
+from steerserve.server.protocol import ApiError
 
 logger = logging.getLogger("steerserve.server")
 
@@ -60,3 +62,35 @@ def duplicate_refusal(same: list[Scanned]) -> str:
     """Two folders claiming one name/version: which one is served would depend on path order."""
     folders = " and ".join(str(s.path) for s in same)
     return f"{same[0].name}/{same[0].version} is in more than one folder: {folders}"
+
+
+def loadable(found: list[Scanned], ref: str, max_abs_scale: float, root: str | None) -> Artifact:
+    """The artifact ``ref`` (``name/version``, or ``name``: its newest version) names among the
+    scanned ``found``: 404 when there is none, 422 with the reason when it fails verification,
+    fits another model, passes the engine's scale bound or owns its name/version with another
+    folder (paths relative to the vectors directory ``root``: the server's are its own)."""
+    hits = named(ref, found, lambda s: (s.name, s.version))
+    if not hits:
+        raise ApiError(
+            f"name: no artifact {ref!r} in the vectors directory",
+            status=404,
+            param="name",
+            code="artifact_not_found",
+        )
+    newest = hits[0]
+    same = [s for s in hits if (s.name, s.version) == (newest.name, newest.version)]
+    why = newest.refused
+    if len(same) > 1:
+        why = duplicate_refusal(same)
+    elif newest.artifact is not None:
+        why = scale_refusal(newest.artifact, max_abs_scale)
+    if why or newest.artifact is None:
+        base = str(Path(root or ".").resolve())
+        raise ApiError(
+            f"name: {newest.name}/{newest.version} cannot be loaded: "
+            + str(why).replace(base + "/", ""),
+            status=422,
+            param="name",
+            code="artifact_refused",
+        )
+    return newest.artifact
