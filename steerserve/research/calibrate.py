@@ -182,7 +182,28 @@ def summarise(records: Sequence[dict], texts: Sequence[str], row: Row) -> Row:
     return row
 
 
-class Sweep:
+Pair = tuple[Setting | None, Setting | None]  # (recall, translation)
+
+
+class SweepBook:
+    """What every sweep keeps, whatever it scores by (accuracy: :class:`Sweep`; log P:
+    ``calibrate_logp.LogpSweep``): each (recall, translation) pair's row once, the rows in the
+    order they ran, and one log line per row."""
+
+    def __init__(self, log: Any = print) -> None:
+        self.rows: list[Row] = []
+        self.seen: dict[Pair, Row] = {}
+        self.log = log
+
+    def keep(self, stage: str, pair: Pair, row: Row, scores: str) -> Row:
+        """Remember ``row`` as ``pair``'s and log it with its ``scores``."""
+        self.rows.append(row)
+        self.seen[pair] = row
+        self.log(f"[{stage}] R={fmt_setting(pair[0])} T={fmt_setting(pair[1])}: {scores}")
+        return row
+
+
+class Sweep(SweepBook):
     """Runs and remembers configs; registers each candidate vector once."""
 
     def __init__(
@@ -193,11 +214,9 @@ class Sweep:
         max_tokens: int = 8,
         log: Any = print,
     ) -> None:
+        super().__init__(log)
         self.engine, self.cands, self.records = engine, cands, records
         self.max_tokens = max_tokens
-        self.rows: list[Row] = []
-        self.log = log
-        self.seen: dict[tuple, Row] = {}
 
     def register(self, s: Setting) -> None:
         if s.vector not in self.engine.registry:
@@ -214,14 +233,13 @@ class Sweep:
                 entries.append(s.entry())
         texts, secs = run_config(self.engine, self.records, entries or None, self.max_tokens)
         row = summarise(self.records, texts, Row(stage, recall, translation, seconds=secs))
-        self.rows.append(row)
-        self.seen[key] = row
-        self.log(
-            f"[{stage}] R={fmt_setting(recall)} T={fmt_setting(translation)}: non-en {row.non_en:.3f} "
-            f"en {row.en:.3f} en-rate {row.english_rate:.3f} zh-rate {row.chinese_rate:.3f} "
-            f"any {row.recall_any:.3f} ({secs:.0f}s)"
+        return self.keep(
+            stage,
+            key,
+            row,
+            f"non-en {row.non_en:.3f} en {row.en:.3f} en-rate {row.english_rate:.3f} "
+            f"zh-rate {row.chinese_rate:.3f} any {row.recall_any:.3f} ({secs:.0f}s)",
         )
-        return row
 
 
 def fmt_setting(s: Setting | None) -> str:
@@ -229,6 +247,52 @@ def fmt_setting(s: Setting | None) -> str:
         return "-"
     pos = "" if s.positions == "last_prompt_and_generated" else f"/{s.positions}"
     return f"{s.variant.removeprefix('recall.')}@L{s.layer}x{s.scale:g}{pos}"
+
+
+# --- the plan, one for both objectives (accuracy here, log P in calibrate_logp) ----------------
+
+
+def coarse_settings(grid: Grid) -> tuple[list[Setting], list[Setting]]:
+    """Stage one, each vector alone at the first positions: every recall variant x layer x scale,
+    then every translation layer x scale."""
+    pos0 = grid.positions[0]
+    rec = [
+        Setting(v, layer, s, pos0)
+        for v in grid.recall_variants
+        for layer in grid.recall_layers
+        for s in grid.recall_scales
+    ]
+    tr = [
+        Setting("translation", layer, s, pos0)
+        for layer in grid.translation_layers
+        for s in grid.translation_scales
+    ]
+    return rec, tr
+
+
+def joint_pairs(top_r: Sequence[Row], top_t: Sequence[Row]) -> list[Pair]:
+    """Stage two: every pair of the top-k of each vector (the marginal winners may not be the
+    best pair, whatever their cost alone)."""
+    return [(a.recall, b.translation) for a in top_r for b in top_t]
+
+
+def fine_pairs(cur: Row, grid: Grid) -> tuple[list[Pair], list[Pair]]:
+    """Stage three, around the best joint pair ``cur``: each vector's scale times each fine
+    factor (the other kept), then both at each other positions."""
+    assert cur.recall and cur.translation
+    scaled: list[Pair] = []
+    for f in grid.fine_factors:
+        r2 = dataclasses.replace(cur.recall, scale=round(cur.recall.scale * f, 4))
+        t2 = dataclasses.replace(cur.translation, scale=round(cur.translation.scale * f, 4))
+        scaled += [(r2, cur.translation), (cur.recall, t2)]
+    moved: list[Pair] = [
+        (
+            dataclasses.replace(cur.recall, positions=p),
+            dataclasses.replace(cur.translation, positions=p),
+        )
+        for p in grid.positions[1:]
+    ]
+    return scaled, moved
 
 
 def feasible(row: Row, base: Row, max_en_drop: float) -> bool:
@@ -253,38 +317,20 @@ def calibrate(
     t0 = time.perf_counter()
     sw = Sweep(engine, cands, records, max_tokens, log)
     base = sw.run(UNSTEERED, None, None)
-    pos0 = grid.positions[0]
-    rec_rows = [
-        sw.run("recall", Setting(v, layer, s, pos0), None)
-        for v in grid.recall_variants
-        for layer in grid.recall_layers
-        for s in grid.recall_scales
-    ]
-    tr_rows = [
-        sw.run("translation", None, Setting("translation", layer, s, pos0))
-        for layer in grid.translation_layers
-        for s in grid.translation_scales
-    ]
-    # Joint: the marginal winners may not be the best pair, so all pairs
-    # of the top-k by non-English accuracy, whatever their English cost alone.
+    rec, tr = coarse_settings(grid)
+    rec_rows = [sw.run("recall", r, None) for r in rec]
+    tr_rows = [sw.run("translation", None, t) for t in tr]
+    # joint: the top-k of each by non-English accuracy
     top_r = sorted(rec_rows, key=lambda r: -r.non_en)[: grid.top_k]
     top_t = sorted(tr_rows, key=lambda r: -r.non_en)[: grid.top_k]
-    joint = [sw.run("joint", a.recall, b.translation) for a in top_r for b in top_t]
-    # Fine: scale each vector of the best feasible joint row up and down, other positions.
+    joint = [sw.run("joint", *p) for p in joint_pairs(top_r, top_t)]
+    # fine: around the best feasible joint row
     cur = (best(joint, base, grid.max_en_drop) or sorted(joint, key=lambda r: -r.non_en))[0]
-    for f in grid.fine_factors:
-        assert cur.recall and cur.translation
-        r2 = dataclasses.replace(cur.recall, scale=round(cur.recall.scale * f, 4))
-        t2 = dataclasses.replace(cur.translation, scale=round(cur.translation.scale * f, 4))
-        sw.run("fine", r2, cur.translation)
-        sw.run("fine", cur.recall, t2)
-    for pos in grid.positions[1:]:
-        assert cur.recall and cur.translation
-        sw.run(
-            "positions",
-            dataclasses.replace(cur.recall, positions=pos),
-            dataclasses.replace(cur.translation, positions=pos),
-        )
+    scaled, moved = fine_pairs(cur, grid)
+    for p in scaled:
+        sw.run("fine", *p)
+    for p in moved:
+        sw.run("positions", *p)
     both_rows = [r for r in sw.rows if r.recall is not None and r.translation is not None]
     winner = (best(both_rows, base, grid.max_en_drop) or [cur])[0]
     chat = any("messages" in r for r in records)

@@ -18,21 +18,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from steerserve.research.arms import UNSTEERED
-from steerserve.research.calibrate import Grid, Row, Setting, fmt_setting
+from steerserve.research.calibrate import (
+    Grid,
+    Row,
+    Setting,
+    SweepBook,
+    coarse_settings,
+    fine_pairs,
+    joint_pairs,
+)
 from steerserve.research.extract import Candidates, unit_scaled
 from steerserve.research.runner import entry_edits
 from steerserve.research.scorer import rules
 from steerserve.research.scoring import by_lang, lang_mean, non_english, paired_bootstrap
 
 
-class LogpSweep:
+class LogpSweep(SweepBook):
     """Scores settings in transformers, many per call (the prompt prefix KV is shared), each
     paired against the unsteered arm of the same records (run first)."""
 
     def __init__(self, scorer: Any, cands: Candidates, records: Sequence[dict], log: Any = print):
-        self.scorer, self.cands, self.records, self.log = scorer, cands, records, log
-        self.rows: list[Row] = []
-        self.seen: dict[tuple, Row] = {}
+        super().__init__(log)
+        self.scorer, self.cands, self.records = scorer, cands, records
         self.base: list[dict] | None = None
         self.results: dict[tuple, list[dict]] = {}  # per-item results of each pair
 
@@ -58,12 +65,13 @@ class LogpSweep:
                     self.base = r
                 row = self._row(stage, p, r, secs)
                 self.results[p] = r
-                self.rows.append(row)
-                self.seen[p] = row
-                self.log(
-                    f"[{stage}] R={fmt_setting(p[0])} T={fmt_setting(p[1])}: d_logp {row.d_logp:+.3f} "
-                    f"[{row.d_logp_ci95[0]:+.3f}, {row.d_logp_ci95[1]:+.3f}] en d_logp "
-                    f"{row.en_d_logp:+.3f} non-en {row.non_en:.3f} en {row.en:.3f}"
+                self.keep(
+                    stage,
+                    p,
+                    row,
+                    f"d_logp {row.d_logp:+.3f} [{row.d_logp_ci95[0]:+.3f}, "
+                    f"{row.d_logp_ci95[1]:+.3f}] en d_logp {row.en_d_logp:+.3f} "
+                    f"non-en {row.non_en:.3f} en {row.en:.3f}",
                 )
         return [self.seen[p] for p in pairs]
 
@@ -106,16 +114,12 @@ def calibrate_logp(
     grid: Grid,
     log: Any = print,
 ) -> dict[str, Any]:
-    """:func:`calibrate`'s stages (each vector alone, the top-k pairs, a finer scale step and
-    other positions around the best pair) chosen by paired Δ mean log P(gold), non-English,
-    with English log P within ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
+    """:func:`calibrate`'s plan (``coarse_settings``, ``joint_pairs``, ``fine_pairs``), chosen
+    by paired Δ mean log P(gold), non-English, with English log P within
+    ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
     t0 = time.perf_counter()
     sw = LogpSweep(scorer, cands, records, log)
-    pos0 = grid.positions[0]
-    rec = [Setting(v, ly, s, pos0) for v in grid.recall_variants for ly in grid.recall_layers
-           for s in grid.recall_scales]  # fmt: skip
-    tr = [Setting("translation", ly, s, pos0) for ly in grid.translation_layers
-          for s in grid.translation_scales]  # fmt: skip
+    rec, tr = coarse_settings(grid)
     rows = sw.run_many(
         "coarse", [(None, None)] + [(r, None) for r in rec] + [(None, t) for t in tr]
     )
@@ -123,17 +127,10 @@ def calibrate_logp(
     base.stage = UNSTEERED
     top_r = best_logp(rec_rows, grid, grid.top_k) or rec_rows[: grid.top_k]
     top_t = best_logp(tr_rows, grid, grid.top_k) or tr_rows[: grid.top_k]
-    joint = sw.run_many("joint", [(a.recall, b.translation) for a in top_r for b in top_t])
+    joint = sw.run_many("joint", joint_pairs(top_r, top_t))
     cur = (best_logp(joint, grid) or sorted(joint, key=lambda r: -(r.d_logp or 0.0)))[0]
-    assert cur.recall and cur.translation
-    fine = []
-    for f in grid.fine_factors:
-        r2 = dataclasses.replace(cur.recall, scale=round(cur.recall.scale * f, 4))
-        t2 = dataclasses.replace(cur.translation, scale=round(cur.translation.scale * f, 4))
-        fine += [(r2, cur.translation), (cur.recall, t2)]
-    fine += [(dataclasses.replace(cur.recall, positions=p),
-              dataclasses.replace(cur.translation, positions=p)) for p in grid.positions[1:]]  # fmt: skip
-    sw.run_many("fine", fine)
+    scaled, moved = fine_pairs(cur, grid)
+    sw.run_many("fine", scaled + moved)
     for r in sw.rows:
         if r.stage == "coarse":
             r.stage = "recall" if r.recall else "translation" if r.translation else UNSTEERED
