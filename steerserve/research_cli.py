@@ -456,8 +456,10 @@ def audit_score(
     import json
 
     from steerserve.research import audit
+    from steerserve.research.rescore import run_records
 
-    res = audit.compare(audit.read_jsonl(judged), audit.read_replies(replies))
+    asked = run_records(replies.parent) if (replies.parent / "report.json").is_file() else None
+    res = audit.compare(audit.read_jsonl(judged), audit.read_replies(replies), asked)
     out.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     for group in ("all", "ja/ko", "other"):
         g = res.get(group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -50,14 +50,22 @@ def _rate(k: int, n: int) -> dict[str, Any]:
     return {"k": k, "n": n, "rate": k / n if n else None}
 
 
-def compare(judged: Sequence[Mapping[str, Any]], replies: Sequence[Reply]) -> dict[str, Any]:
+def compare(
+    judged: Sequence[Mapping[str, Any]],
+    replies: Sequence[Reply],
+    records: Callable[[str], Mapping[str, Mapping[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """Agreement of today's scorer with the readers: false positives (scored correct, read
     wrong) among replies read wrong, false negatives among replies read correct, script
     agreement, and every disagreement with both verdicts, per language group and overall. Each
-    kept reply is judged again by the current scorer (a fixed scorer re-audits old replies)."""
-    recs = chat_records()
+    kept reply is judged again by the current scorer (a fixed scorer re-audits old replies),
+    against the record its arm asked (``records(arm)``; default the zero-shot chat records)."""
+    zero = chat_records()
+    asked = records or (lambda arm: zero)
     by_key = {
-        f"{r.arm}|{r.id}": judge(recs[r.id], r.arm, Generation(r.text, r.tokens, r.cut or r.loop))
+        f"{r.arm}|{r.id}": judge(
+            asked(r.arm)[r.id], r.arm, Generation(r.text, r.tokens, r.cut or r.loop)
+        )
         for r in replies
     }
     groups: dict[str, list[tuple[Mapping[str, Any], Reply]]] = {"all": []}

@@ -76,7 +76,7 @@ def capped(
     from steerserve.research.scoring import by_lang, lang_mean, non_english
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    recs = _records(out, dataset)
+    recs = run_records(out, dataset)
     out_rows: dict[str, dict[int, float]] = {}
     replies = read_replies(out / "replies.jsonl")
     for arm in dict.fromkeys(r.arm for r in replies):
@@ -95,7 +95,7 @@ def capped(
     return out_rows
 
 
-def _records(out: Path, dataset: Path | None) -> Records:
+def run_records(out: Path, dataset: Path | None = None) -> Records:
     """The records a run asked, per arm (see :func:`run`)."""
     from steerserve.research.audit import chat_records
     from steerserve.research.records import read_dataset
@@ -120,4 +120,4 @@ def _records(out: Path, dataset: Path | None) -> Records:
 def run(out: Path, dataset: Path | None = None) -> dict[str, Any]:
     """:func:`rescore` with the records the run asked: ``dataset``'s, a headroom run's
     conditions rebuilt from its recorded config, else the built-in facts' chat records."""
-    return rescore(out, _records(out, dataset))
+    return rescore(out, run_records(out, dataset))

@@ -37,11 +37,11 @@ _KANA_FOLDS: tuple[tuple[str, str], ...] = (
 _SENTENCE_END = re.compile(r"[。！？]|(?<![\s.][A-Z])(?<![\s.][A-Z][a-z])[.!?](?=\s)")
 
 
-def fold(text: str, lang: str | None = None) -> str:
-    """The form answers are compared in: NFKC, casefold, katakana spellings folded, Chinese
-    (``lang`` zh) traditional Han as simplified, punctuation and whitespace dropped:
-    ``fold("  París.") == "parís"``, ``fold("ヴェネツィア") == fold("ベネチア")``."""
+def _casefold(text: str, lang: str | None) -> str:
+    """NFKC, casefold, Latin letters without their accents (alemán = aleman: readers accept
+    both), katakana spellings folded, zh traditional as simplified."""
     t = unicodedata.normalize("NFKC", text).casefold()
+    t = "".join(_bare(c) if "LATIN" in unicodedata.name(c, "") else c for c in t)
     if any(_kana(c) for c in t):
         for a, b in _KANA_FOLDS:
             t = t.replace(a, b)
@@ -49,7 +49,24 @@ def fold(text: str, lang: str | None = None) -> str:
         from hanziconv import HanziConv
 
         t = HanziConv.toSimplified(t)
-    return _PUNCT.sub("", t)
+    return t
+
+
+def _bare(c: str) -> str:
+    return "".join(x for x in unicodedata.normalize("NFD", c) if unicodedata.category(x) != "Mn")
+
+
+def fold(text: str, lang: str | None = None) -> str:
+    """The form answers are compared in: NFKC, casefold, accents of Latin letters dropped,
+    katakana spellings folded, Chinese (``lang`` zh) traditional Han as simplified,
+    punctuation and whitespace dropped: ``fold("  París.") == "paris"``,
+    ``fold("ヴェネツィア") == fold("ベネチア")``."""
+    return _PUNCT.sub("", _casefold(text, lang))
+
+
+def _words(text: str, lang: str | None = None) -> str:
+    """:func:`fold` keeping word boundaries (punctuation and whitespace as one space)."""
+    return " " + _PUNCT.sub(" ", _casefold(text, lang)).strip() + " "
 
 
 def normalise(text: str) -> str:
@@ -87,9 +104,15 @@ def matches(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
 
 
 def contains(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
-    """True if some folded (non-empty) answer occurs in the folded prediction."""
-    p = fold(pred, lang)
-    return any(a and a in p for a in (fold(x, lang) for x in answers))
+    """True if some folded (non-empty) answer occurs in the folded prediction; an answer in
+    Latin letters only as whole words ("somali" is not in "Somalie"), others anywhere (Japanese,
+    Chinese, Korean and Arabic attach particles to the name)."""
+    p, w = fold(pred, lang), _words(pred, lang)
+    for x in answers:
+        a = fold(x, lang)
+        if a and a in p and (latin_share(x) < 1 or _words(x, lang) in w):
+            return True
+    return False
 
 
 def _is_latin(ch: str) -> bool:
@@ -120,12 +143,15 @@ def looks_chinese(text: str) -> bool:
 
 
 RULES: dict[str, str] = {
-    "correct.completion": "first line, folded (NFKC, casefold, katakana spellings, Chinese "
-    "traditional as simplified, no punctuation or whitespace), starts with a folded accepted answer",
-    "correct.chat": "first sentence of the first line, folded, contains a folded accepted answer",
+    "correct.completion": "first line, folded (NFKC, casefold, accents of Latin letters, "
+    "katakana spellings, Chinese traditional as simplified, no punctuation or whitespace), "
+    "starts with a folded accepted answer",
+    "correct.chat": "first sentence of the first line, folded, contains a folded accepted answer "
+    "(one in Latin letters as whole words)",
     "english.completion": "wrong, and starts with an English answer (answers_en)",
-    "english.chat": "wrong, and contains an English answer, or, when the query language's "
-    "answers are not in Latin script, the letters the reply adds to the question are mostly Latin",
+    "english.chat": "wrong, and contains an English answer (other than one the question itself "
+    "gave, when the reply says more), or, when the query language's answers are not in Latin "
+    "script, the letters the reply adds to the question are mostly Latin",
     "chinese": "query language not zh, wrong, and contains the Chinese answer (answers_zh), or "
     "has Han characters and no kana or Hangul, or (ko) adds Han characters and no kana to the "
     "question",
@@ -167,7 +193,7 @@ def score(
     pred = answer_span(continuation, chat)
     hit = contains if chat else matches
     ok = hit(pred, answers, lang)
-    in_en = hit(pred, answers_en)
+    in_en = hit(_without_echo(pred, answers_en, question), answers_en)
     added = _added_letters(pred, question)
     en = not ok and (in_en or (chat and _latin_reply(added, answers)))
     kana = any(map(_kana, added))
@@ -185,6 +211,17 @@ def score(
 
 
 _GLOSS = re.compile(r"[(（][^)）]*[)）]")
+
+
+def _without_echo(pred: str, answers_en: Sequence[str], question: str) -> str:
+    """``pred`` without the English answers the question itself gave ("「Chinese Yuan」は日本語で
+    「円」です": the answer is 円), unless nothing else is left (a bare "Chinese Yuan" is the
+    English answer)."""
+    echoes = [a for a in answers_en if a and question and fold(a) in fold(question)]
+    rest = pred
+    for a in sorted(echoes, key=len, reverse=True):
+        rest = re.sub(re.escape(a), " ", rest, flags=re.IGNORECASE)
+    return rest if echoes and _added_letters(rest, question) else pred
 
 
 def _added_letters(pred: str, question: str) -> str:

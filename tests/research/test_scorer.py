@@ -9,7 +9,7 @@ from steerserve.research import scorer as ev
 
 
 def test_normalise_and_match() -> None:
-    assert ev.normalise("  París.") == "parís"
+    assert ev.normalise("  París.") == "paris"  # a missing accent is not a wrong answer
     assert ev.normalise("ＰＡＲＩＳ") == "paris"  # NFKC full-width
     assert ev.normalise("Buenos-Aires!") == "buenosaires"
     assert ev.matches("Paris, France", ["Paris"])
@@ -26,11 +26,11 @@ def test_first_line() -> None:
 
 
 def test_score_english_rate() -> None:
-    s = ev.score(" Paris\n", ["París"], ["Paris"])
+    s = ev.score(" London\n", ["Londres"], ["London"])
     assert (s.correct, s.english, s.recall_any) == (False, True, True)
-    s = ev.score(" París", ["París"], ["Paris"])
+    s = ev.score(" Londres", ["Londres"], ["London"])
     assert (s.correct, s.english) == (True, False)  # correct never also counts as English
-    s = ev.score(" Rome", ["París"], ["Paris"])
+    s = ev.score(" Rome", ["Londres"], ["London"])
     assert (s.correct, s.english, s.recall_any) == (False, False, False)
     s = ev.score(" Madrid", ["Madrid"], ["Madrid"])  # same name in both: correct, not English
     assert (s.correct, s.english) == (True, False)
@@ -43,7 +43,7 @@ def test_chat_rule_is_containment_in_the_first_line() -> None:
     assert s.correct  # markup is punctuation
     s = ev.score("Madrid\nParís", ["París"], ["Paris"], chat=True, lang="es")
     assert not s.correct  # only the first line is the answer
-    s = ev.score("La capitale est Paris.", ["París"], ["Paris"], chat=True, lang="es")
+    s = ev.score("La capitale est London.", ["Londres"], ["London"], chat=True, lang="es")
     assert (s.correct, s.english, s.recall_any) == (False, True, True)
     # the completion rule stays a prefix match
     s = ev.score(" La capital es París", ["París"], ["Paris"], lang="es")
@@ -128,3 +128,26 @@ def test_script_reads_past_a_gloss_and_knows_other_scripts() -> None:
     assert sc.score("키르기스스탄의 수도는 Таллин입니다.", ["비슈케크"], **ko).script == "other"
     ru = {"chat": True, "lang": "ru", "question": "Какая столица?"}
     assert sc.score("Столица — Москва.", ["Москва"], **ru).script == "query"
+
+
+def test_accents_word_boundaries_and_echoed_english() -> None:
+    """What the second blind reading found: readers accept a missing accent; a Latin answer
+    inside a longer word is not the answer; an English name the question handed over is an
+    echo, not the answer."""
+    from steerserve.research import scorer as sc
+
+    es = {"chat": True, "lang": "es"}
+    assert sc.score("El idioma oficial es el aleman.", ["alemán"], **es).correct
+    assert sc.score("Amsterdam", ["Ámsterdam"], **es).correct
+    fr = {"chat": True, "lang": "fr"}
+    assert not sc.score("Somalie", ["somali"], ["Somali"], **fr).correct
+    assert sc.score("La langue est le somali.", ["somali"], **fr).correct
+    assert sc.score("Les États-Unis", ["États-Unis"], **fr).correct
+    q = "「Chinese Yuan」は日本語で何と書きますか？"
+    kw = {"chat": True, "lang": "ja", "question": q}
+    s = sc.score("「Chinese Yuan」は日本語で「円」です。", ["人民元"], ["Chinese Yuan"], **kw)
+    assert (s.correct, s.script, s.recall_any) == (False, "query", False)
+    s = sc.score("Chinese Yuan", ["人民元"], ["Chinese Yuan"], **kw)
+    assert s.script == "latin"  # nothing but the echo: the English answer
+    s = sc.score("「Chinese Yuan」は日本語で「人民元」です。", ["人民元"], ["Chinese Yuan"], **kw)
+    assert s.correct
