@@ -16,7 +16,7 @@ def _records() -> list[dict]:
     rec = [
         {"id": "1", "lang": "en", "prompt": "p", "answers": ["Paris"], "answers_en": ["Paris"]},
         {"id": "2", "lang": "en", "prompt": "p", "answers": ["Rome"], "answers_en": ["Rome"]},
-        {"id": "3", "lang": "es", "prompt": "p", "answers": ["París"], "answers_en": ["Paris"]},
+        {"id": "3", "lang": "es", "prompt": "p", "answers": ["Londres"], "answers_en": ["London"]},
         {"id": "4", "lang": "es", "prompt": "p", "answers": ["Roma"], "answers_en": ["Rome"]},
         {"id": "5", "lang": "ja", "prompt": "p", "answers": ["パリ"], "answers_en": ["Paris"]},
     ]
@@ -26,9 +26,9 @@ def _records() -> list[dict]:
 def test_report_schema_and_files(tmp_path: Path) -> None:
     rec = _records()
     res = {
-        UNSTEERED: score_all(rec, [" Paris", " Rome", " Paris", " Roma", "ローマ"]),
-        "both": score_all(rec, [" Paris", " Rome", " París", " Roma", "パリ"]),
-        "random": score_all(rec, [" Paris", " Rome", " Paris", " Rome", "ローマ"]),
+        UNSTEERED: score_all(rec, [" Paris", " Rome", " London", " Roma", "ローマ"]),
+        "both": score_all(rec, [" Paris", " Rome", " Londres", " Roma", "パリ"]),
+        "random": score_all(rec, [" Paris", " Rome", " London", " Rome", "ローマ"]),
     }
     rep = ev.build_report(rec, res, {"model": "m"})
     base = rep["arms"][UNSTEERED]
