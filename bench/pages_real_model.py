@@ -72,7 +72,7 @@ def main() -> None:
         wait_ready(url, proc)
         print(f"ready in {time.monotonic() - t0:.0f} s")
         split_traffic(url, args.requests)
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import expect, sync_playwright
 
         profile = tempfile.mkdtemp(prefix="chromium-")
         with sync_playwright() as p:
@@ -85,10 +85,7 @@ def main() -> None:
             page.fill("#message", QUESTION)
             page.fill("#max_tokens", "32")
             page.click("#send")
-            page.wait_for_function(
-                "document.querySelector('#status').textContent.startsWith('done')",
-                timeout=600_000,
-            )
+            expect(page.locator("#status")).to_have_text(re.compile("^done"), timeout=600_000)
             for arm in ("unsteered", "steered"):
                 reply = page.locator(f"#arm-{arm} .reply").text_content()
                 applied = page.locator(f"#arm-{arm} dd").all_text_contents()
