@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research.facts import SPLITS, eval_records
-from steerserve.research.replies import Generation, Reply, judge, read_replies
+from steerserve.research.replies import Reply, read_replies, rejudge
 from steerserve.research.scorer import question_of
 
 
@@ -62,12 +62,7 @@ def compare(
     against the record its arm asked (``records(arm)``; default the zero-shot chat records)."""
     zero = chat_records()
     asked = records or (lambda arm: zero)
-    by_key = {
-        f"{r.arm}|{r.id}": judge(
-            asked(r.arm)[r.id], r.arm, Generation(r.text, r.tokens, r.cut or r.loop)
-        )
-        for r in replies
-    }
+    by_key = {f"{r.arm}|{r.id}": rejudge(asked(r.arm)[r.id], r) for r in replies}
     groups: dict[str, list[tuple[Mapping[str, Any], Reply]]] = {"all": []}
     for j in judged:
         r = by_key[j["key"]]

@@ -134,6 +134,12 @@ def judge(rec: Mapping[str, Any], arm: str, gen: Generation) -> Reply:
     )
 
 
+def rejudge(rec: Mapping[str, Any], reply: Reply) -> Reply:
+    """A kept reply judged again by today's scorer (it stopped at the budget if it was cut or
+    looping then)."""
+    return judge(rec, reply.arm, Generation(reply.text, reply.tokens, reply.cut or reply.loop))
+
+
 class BudgetError(RuntimeError):
     """Too many replies were cut by the token budget: the accuracies would be wrong."""
 

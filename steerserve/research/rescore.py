@@ -14,7 +14,7 @@ from typing import Any
 
 from steerserve.research import evaluate as ev
 from steerserve.research import report as R
-from steerserve.research.replies import Generation, Reply, judge, read_replies
+from steerserve.research.replies import Reply, read_replies, rejudge
 from steerserve.research.scoring import ArmResult, score_all
 
 Records = Callable[[str], Mapping[str, Mapping[str, Any]]]  # arm -> {item id: record}
@@ -36,9 +36,8 @@ def results_of(
             raise ValueError(f"arm {arm!r} does not hold the same items in the same order")
         mine = records(arm)
         recs = [dict(mine[i]) for i in ids]
-        gens = [Generation(r.text, r.tokens, r.cut or r.loop) for r in rs]
-        res = score_all(recs, [g.text for g in gens])
-        res.replies = [judge(rec, arm, g) for rec, g in zip(recs, gens, strict=True)]
+        res = score_all(recs, [r.text for r in rs])
+        res.replies = [rejudge(rec, r) for rec, r in zip(recs, rs, strict=True)]
         out[arm] = res
     base = records(first)
     return [dict(base[i]) for i in ids], out
