@@ -49,7 +49,9 @@ def relation_means(
 #: every other language). English is the paper's pivot; Chinese is where a model's Japanese and
 #: Korean answers may pass (the chat model answers them in Chinese).
 PIVOTS: dict[str, tuple[str, ...] | None] = {"en": None, "zh": ("ja", "ko")}
-VARIANTS: tuple[str, ...] = ("replace_fact", "add_fact", "replace_rel", "add_rel")
+VARIANTS: tuple[str, ...] = (
+    "replace_fact", "add_fact", "replace_rel", "add_rel", "replace_corrected",
+)  # fmt: skip
 
 
 def answer_position_means(
@@ -80,12 +82,15 @@ def oracle_edits(
     rel_x: torch.Tensor,
     suffix: str = "",
 ) -> list[Edit]:
-    """Step 2's four edits per block (all ``[N, L, H]``, row i = item i; ``p`` the pivot):
+    """Step 2's five edits per block (all ``[N, L, H]``, row i = item i; ``p`` the pivot):
     ``replace_fact`` h <- h_p (same fact, pivot-language evaluation form) at the last prompt
     token; ``add_fact`` h <- h + (h_p - h_x) at the last prompt token *and* every later token
     (at the last token the same as replacing; later tokens differ); ``replace_rel`` h <- the
     relation's mean pivot state; ``add_rel`` h <- h + (relation mean pivot - relation mean in
-    the query language), last prompt and later tokens: a per-language, per-relation shift."""
+    the query language), last prompt and later tokens: a per-language, per-relation shift;
+    ``replace_corrected`` h <- h_p + (relation mean in the query language - relation mean pivot):
+    the twin's fact state moved to the query language's side (issue 20's "language-corrected"
+    state), so it carries the fact without the pivot's language."""
     edits = []
     for ly in layers:
         edits += [
@@ -93,6 +98,12 @@ def oracle_edits(
             Edit(f"add_fact{suffix}@{ly}", ly, "add", h_p[:, ly] - h_x[:, ly], gen=True),
             Edit(f"replace_rel{suffix}@{ly}", ly, "replace", rel_p[:, ly]),
             Edit(f"add_rel{suffix}@{ly}", ly, "add", rel_p[:, ly] - rel_x[:, ly], gen=True),
+            Edit(
+                f"replace_corrected{suffix}@{ly}",
+                ly,
+                "replace",
+                h_p[:, ly] + rel_x[:, ly] - rel_p[:, ly],
+            ),
         ]
     return edits
 
