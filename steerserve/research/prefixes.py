@@ -9,6 +9,7 @@ reads the prefix as part of the prompt, forces the gold name after it and edits 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
@@ -38,11 +39,27 @@ def _key(rec: Mapping[str, Any]) -> tuple[str, str]:
     return rec["id"].split(":", 1)[0], rec["lang"]
 
 
+def echoed_prefix(rec: Mapping[str, Any], reply: str) -> str | None:
+    """For a reply that names no known answer: its start as far as it echoes the question
+    ("헝가리의 수도는 " of "헝가리의 수도는 뉴욕입니다." asked "헝가리의 수도는 어디입니까?"), when
+    that echo passes the subject; else None (a reordered or unrelated reply)."""
+    f = _facts().get(rec["id"])
+    question = rec["messages"][-1]["content"] if rec.get("messages") else ""
+    sent = first_sentence(reply.lstrip(" \t"))
+    echo = os.path.commonprefix([sent, question])
+    if f is None or (at := echo.find(f.subject)) < 0 or len(echo) <= at + len(f.subject):
+        return None
+    return echo
+
+
 def with_prefixes(records: Sequence[Mapping[str, Any]], replies: Sequence[str]) -> list[dict]:
     """``records`` with ``reply_prefix`` and ``prefix_source``: ``own`` (the record's reply up to
-    the name); ``template`` (a reply of the same relation and language with its subject
-    swapped for this one's, when this reply names no known answer); ``none`` (a bare reply)."""
+    the name); ``echo`` (a reply naming no known answer, as far as it echoes the question:
+    ``echoed_prefix``); ``template`` (a reply of the same relation and language with its
+    subject swapped for this one's, when this reply names no known answer and echoes nothing);
+    ``none`` (a bare reply)."""
     own = [restated_prefix(r, t) for r, t in zip(records, replies, strict=True)]
+    echoed = [echoed_prefix(r, t) for r, t in zip(records, replies, strict=True)]
     facts = _facts()
     templates: dict[tuple[str, str], str] = {}
     for r, p in zip(records, own, strict=True):
@@ -54,6 +71,8 @@ def with_prefixes(records: Sequence[Mapping[str, Any]], replies: Sequence[str]) 
         f, tpl = facts.get(r["id"]), templates.get(_key(r))
         if p is not None:
             out.append({**r, "reply_prefix": p, "prefix_source": "own"})
+        elif (q := echoed[len(out)]) is not None:
+            out.append({**r, "reply_prefix": q, "prefix_source": "echo"})
         elif f is not None and tpl is not None:
             pre = tpl.replace(_SUBJECT, f.subject)
             out.append({**r, "reply_prefix": pre, "prefix_source": "template"})
@@ -80,8 +99,9 @@ def answer_position_note(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     """Where log P(gold) was forced, for the record of a run: counts of each prefix source."""
     src = [r.get("prefix_source", "prompt end") for r in records]
     return {
-        "rule": "chat: after the model's own unsteered reply up to the name (own), a reply of "
-        "the same relation and language with the subject swapped (template), or none; "
+        "rule": "chat: after the model's own unsteered reply up to the name (own), or as far "
+        "as it echoes the question (echo), a reply of the same relation and "
+        "language with the subject swapped (template), or none; "
         "completion: right after the prompt",
         "counts": {k: src.count(k) for k in dict.fromkeys(src)},
     }

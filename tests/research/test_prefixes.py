@@ -39,6 +39,24 @@ def test_a_reply_naming_no_answer_borrows_its_relations_template() -> None:
     assert note["counts"] == {"own": 1, "template": 2}
 
 
+def test_a_wrong_reply_that_echoes_the_question_keeps_its_own_words() -> None:
+    """A wrong name is still where the name starts: the reply is cut where it stops echoing the
+    question, if the echo passes the subject; a reordered reply borrows the template."""
+    recs = _ja(2)
+    q = recs[1]["messages"][-1]["content"]
+    subj = px._facts()[recs[1]["id"]].subject
+    stem = q[: q.index(subj) + len(subj) + 1]  # the subject and one more character
+    assert px.echoed_prefix(recs[1], stem + "ニューヨーク") is not None
+    replies = [f"{px._facts()[recs[0]['id']].subject}の首都は{recs[0]['answers'][0]}です。",
+               stem + "ニューヨークです。"]  # fmt: skip
+    out = px.with_prefixes(recs, replies)
+    assert [r["prefix_source"] for r in out] == ["own", "echo"]
+    assert out[1]["reply_prefix"] == px.echoed_prefix(recs[1], replies[1])
+    assert replies[1].startswith(out[1]["reply_prefix"]) and subj in out[1]["reply_prefix"]
+    assert px.echoed_prefix(recs[1], subj) is None  # the subject alone restates nothing
+    assert px.echoed_prefix(recs[1], "ニューヨーク" + stem) is None  # reordered: no echo
+
+
 def test_log_p_is_forced_after_the_prefix(runner: Runner) -> None:
     """The prefix becomes prompt; the gold's tokens follow it; without one nothing changes."""
     rec = _ja(1)[0]
