@@ -156,6 +156,10 @@ def oracle(
     t1 = time.perf_counter()
     out: dict[str, Any] = {"layers": layers, "per_relation": per_relation, "pivots": {}}
     out["position"] = "name onset (own prefix)" if answer_position else "last prompt token"
+    if answer_position:
+        from steerserve.research.prefixes import answer_position_note
+
+        out["prefix_sources"] = answer_position_note(items)
     out["base_all_langs"] = summarise(items, base_run["res"])
     for pv in pivots:
         row = {f: i for i, (f, r) in enumerate(zip(fid, items, strict=True)) if r["lang"] == pv}
@@ -213,6 +217,9 @@ def _best_layer(e: Mapping[str, Any], v: str, layers: Sequence[int]) -> int:
 
 def oracle_md(o: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
+    if ps := o.get("prefix_sources"):
+        counts = ", ".join(f"{k} {v}" for k, v in ps["counts"].items())
+        lines += [f"Patched at: {o['position']}; prefixes by source ({counts}).", ""]
     for pv, po in o["pivots"].items():
         e, sfx = po["edits"], "" if pv == "en" else f".{pv}"
         langs = sorted({k for k in e["none"]["correct"]["per_lang"] if k != "en"})
