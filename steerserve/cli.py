@@ -197,7 +197,7 @@ def ab_report(
 # --- vectors: inspect and verify artifacts ------------------------------------------------------
 
 vectors_app = typer.Typer(
-    help="Inspect and verify steering-vector artifacts (vectors/<model>/<version>/).",
+    help="Inspect, verify and gate steering-vector artifacts (vectors/<model>/<version>/).",
     no_args_is_help=True,
 )
 app.add_typer(vectors_app, name="vectors")
@@ -239,6 +239,23 @@ def vectors_verify(
     from steerserve import vectors_view
 
     raise typer.Exit(vectors_view.verify(paths or [], root, model))
+
+
+@vectors_app.command("gate")
+def vectors_gate(
+    src: str = typer.Argument(help="NAME/VERSION under ROOT (or NAME: its newest), or a path."),
+    version: str = typer.Option(..., "--version", help="The new version (must not exist)."),
+    gates: Path = typer.Option(
+        ..., "--gates", help='JSON: {"fr": {"multiplier": 0, "confirmation": {...}}, ...}.'
+    ),
+    root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
+    description: str = typer.Option(None, help="Default: the source's description."),
+) -> None:
+    """Publish SRC's vectors as a new VERSION whose 'auto' steers only the languages GATES lets
+    through (a published version never changes); exit 1 on any refusal."""
+    from steerserve import vectors_gate as vg
+
+    raise typer.Exit(vg.gate(src, version, gates, root, description))
 
 
 # --- research: extract, calibrate, eval, analyze, ... (option parsing in research_cli.py) ---------

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from steerserve import artifacts as art
+from steerserve.vectors_gate import describe_auto
 
 
 def console() -> Console:
@@ -65,6 +66,7 @@ def show(ref: str, root: Path, out: Console | None = None) -> int:
     out.print(f"  source {b.source!r}, config {fp.config_sha256[:16]}…, embedding ", end="")
     out.print(f"{fp.embedding_sha256[:16]}…")
     out.print(f"layers: {m.layer_convention}")
+    out.print(describe_auto(m))
     for iv in m.interventions:
         out.print(m.vector_name(iv), style="bold", end="")
         out.print(
