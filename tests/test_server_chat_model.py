@@ -3,8 +3,10 @@ runs by default) over real HTTP: chat through the ``openai`` SDK, steering off /
 endpoint (slow: the real model, about a minute to start on 2 CPU cores, seconds per reply).
 
 It starts from the shipped artifacts for the model (``vectors/qwen2.5-coder-1.5b-instruct/``), as
-``steerserve serve`` does, with its default policy ``off``: the newest is the default artifact, a
-Japanese chat without ``steering`` is not steered and with ``"auto"`` gets its interventions
+``steerserve serve`` does, with its default policy ``off``: the newest (v1.1, v1's vectors with
+``auto`` gated off for every language) is the default artifact, a Japanese chat without
+``steering`` is not steered, with ``"auto"`` it is answered unsteered (no language's
+confirmation supports steering), and with ``true`` it gets the interventions
 (``test_the_shipped_artifact_is_off_by_default_and_steers_on_request``). Without one (the state
 before the chat model's vectors were made), asking for steering is refused. Then an artifact with a random direction is written and loaded through the admin
 path (``POST /v1/steering/vectors``), which exercises the steered paths on the real model with a
@@ -136,18 +138,38 @@ def test_english_and_the_default_policy(http: httpx.Client) -> None:
 
 @pytest.mark.skipif(not shipped(), reason=f"no artifact for the chat model under {SHIPPED}")
 def test_the_shipped_artifact_is_off_by_default_and_steers_on_request(http: httpx.Client) -> None:
-    """Served as `steerserve serve` serves it (the shipped artifact, the default policy, nothing
-    else loaded yet): a Japanese chat without a ``steering`` field is not steered (v1 is harmful
-    on held-out facts); with ``"auto"`` it gets the shipped interventions at their calibrated
-    layers, scales and positions, and a reply."""
+    """Served as `steerserve serve` serves it (the shipped artifacts, the default policy, nothing
+    else loaded yet): a Japanese chat without a ``steering`` field is not steered (v1's vectors
+    are harmful on held-out facts); ``"auto"`` answers it unsteered too, because the default
+    artifact's gate lets no language through, and says so (``auto_languages: []``, in the reply
+    and the listing); ``true`` still applies the interventions at their calibrated layers,
+    scales and positions, with a reply."""
     from steerserve.artifacts import load_artifact
 
-    manifest = load_artifact(SHIPPED / newest_shipped().split("/")[1]).manifest
+    default_key = newest_shipped()
+    manifest = load_artifact(SHIPPED / default_key.split("/")[1]).manifest
+    assert manifest.version == "v1.1" and manifest.auto_languages() == [], manifest.languages
+    listing = http.get("/v1/steering/vectors").json()
+    by_id = {a["id"]: a for a in listing["data"]}
+    assert listing["default"] == default_key and by_id[default_key]["auto_languages"] == []
+    assert by_id[f"{NAME}/v1"]["auto_languages"] is None  # v1 itself is ungated, not default
+
     default = chat(http, JA, max_tokens=4)["steering"]
     assert default["applied"] is False and default["policy"] == "off", default
     resp = chat(http, JA, steering="auto")
     info = resp["steering"]
-    assert info["applied"] and info["policy"] == "auto" and info["detected_language"] == "ja"
+    assert info == {
+        "applied": False,
+        "policy": "auto",
+        "interventions": [],
+        "detected_language": "ja",
+        "auto_languages": [],
+    }, info
+    assert text(resp) == text(chat(http, JA, steering=False)), "auto must answer unsteered"
+
+    on = chat(http, JA, steering=True)
+    info = on["steering"]
+    assert info["applied"] and info["policy"] == "on" and info["detected_language"] is None, info
     got = [
         (i["artifact"], i["version"], i["name"], i["layer"], i["scale"], i["positions"])
         for i in info["interventions"]
@@ -157,7 +179,7 @@ def test_the_shipped_artifact_is_off_by_default_and_steers_on_request(http: http
         for iv in manifest.interventions
     ]
     assert got == want, info
-    assert text(resp).strip(), resp
+    assert text(on).strip(), on
 
 
 @pytest.mark.skipif(shipped(), reason="an artifact for the chat model is shipped")
