@@ -64,13 +64,17 @@ def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list
 def chat_encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
     """A chat's prompt ids, then its ``reply_prefix`` (the model's own words before the name,
     ``prefixes.with_prefixes``) as if already generated; each alias tokenised in context after
-    the prefix (where a merge across the boundary breaks that, the alias alone)."""
+    the prefix (where a merge across the boundary breaks that, the alias alone). A space that
+    ends the prefix ("La capital de Rusia es ") goes with the name, as the model writes it
+    (" Moscú"): a prompt ending in a lone space token is a state the model never reaches."""
     sep = reply_separator(tokenizer)
-    prefix = rec.get("reply_prefix") or ""
+    whole = rec.get("reply_prefix") or ""
+    prefix = whole.rstrip()
+    gap = whole[len(prefix) :]
     pre = tokenizer(sep + prefix, add_special_tokens=False)["input_ids"] if prefix else []
     aliases = []
     for a in rec["answers"]:
-        full = tokenizer(sep + prefix + a, add_special_tokens=False)["input_ids"]
+        full = tokenizer(sep + prefix + gap + a, add_special_tokens=False)["input_ids"]
         ok = full[: len(pre)] == pre and len(full) > len(pre)
         aliases.append(
             full[len(pre) :] if ok else tokenizer(a, add_special_tokens=False)["input_ids"]

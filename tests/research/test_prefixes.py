@@ -72,3 +72,18 @@ def test_log_p_is_forced_after_the_prefix(runner: Runner) -> None:
     assert res[0][0]["logp"] != res[0][1]["logp"]  # a different position, a different score
     with_own = px.at_answer_position(runner, [rec])
     assert with_own[0]["prefix_source"] in {"own", "template", "none"}
+
+
+def test_a_space_ending_the_prefix_goes_with_the_name(runner: Runner) -> None:
+    """ "La capital de Rusia es " is read as the model writes it: the prompt ends at "es" and
+    the name's tokens carry the space, never a lone space token before the patched state."""
+    rec = {**_ja(1)[0], "answers": ["Moscu"]}
+    spaced, bare = (
+        {**rec, "reply_prefix": "la capital es "},
+        {**rec, "reply_prefix": "la capital es"},
+    )
+    ids, aliases = encode(runner.tok, spaced)
+    assert ids == encode(runner.tok, bare)[0]
+    core = runner.tok("la capital es", add_special_tokens=False)["input_ids"]
+    whole = runner.tok("la capital es Moscu", add_special_tokens=False)["input_ids"]
+    assert whole[: len(core)] == core and aliases == [whole[len(core) :]]
