@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from steerserve.chat import chat_ids, reply_separator
+from steerserve.chat import chat_ids
 from steerserve.research.hf import decoder_layers, left_padded
+from steerserve.research.runner import chat_encode
 
 #: Fewer training items than this per language is refused: the vector would fit noise.
 MIN_PER_LANG = 8
@@ -72,19 +73,11 @@ class Curve:
 def items_of(tokenizer: Any, records: Sequence[Mapping[str, Any]]) -> list[Item]:
     """Chat records with ``reply_prefix`` as training sequences (the first accepted answer is
     the target; an English record's target is its English answer, for the KL term only)."""
-    sep = reply_separator(tokenizer)
     out = []
     for r in records:
-        prompt = chat_ids(tokenizer, r["messages"])
-        pre = r.get("reply_prefix") or ""
-        head = tokenizer(sep + pre, add_special_tokens=False)["input_ids"] if pre else []
-        full = tokenizer(sep + pre + r["answers"][0], add_special_tokens=False)["input_ids"]
-        if full[: len(head)] != head:
-            head = []
-            full = tokenizer(r["answers"][0], add_special_tokens=False)["input_ids"]
-        out.append(
-            Item(r["id"], r["lang"], prompt + full, len(prompt) - 1, len(prompt) + len(head))
-        )
+        ids, aliases = chat_encode(tokenizer, r)  # the one rule for a prefix and its name
+        start = len(chat_ids(tokenizer, r["messages"]))
+        out.append(Item(r["id"], r["lang"], ids + aliases[0], start - 1, len(ids)))
     return out
 
 
