@@ -588,14 +588,15 @@ def _newest_version_first(
     return sorted(items, key=lambda x: version_key(name_version(x)[1]), reverse=True)
 
 
-def _artifact_name_version(a: Artifact) -> tuple[str, str]:
+def artifact_name_version(a: Artifact) -> tuple[str, str]:
+    """An artifact's ``(name, version)``: what :func:`named` resolves a reference against."""
     return a.manifest.name, a.manifest.version
 
 
 def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
     """By name, each name's newest version first: the order a server loads artifacts in, so the
     first is the one it serves by default."""
-    newest = _newest_version_first(arts, _artifact_name_version)
+    newest = _newest_version_first(arts, artifact_name_version)
     return sorted(newest, key=lambda a: a.manifest.name)
 
 

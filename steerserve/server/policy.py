@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from steerserve.artifacts import Artifact, named
+from steerserve.artifacts import Artifact, artifact_name_version, named
 from steerserve.engine.spec import SteeringEntry
 from steerserve.server.protocol import ApiError, AppliedIntervention, SteeringInfo
 from steerserve.server.steering import (
@@ -189,9 +189,7 @@ class SteeringPolicy:
                     code="no_artifact",
                 )
             return self.artifacts[self.default_artifact]
-        if versions := named(
-            ref, self.artifacts.values(), lambda a: (a.manifest.name, a.manifest.version)
-        ):
+        if versions := named(ref, self.artifacts.values(), artifact_name_version):
             return versions[0]
         raise ApiError(
             f"steering.artifact: {ref!r} is not loaded; loaded: {', '.join(self.artifacts) or 'none'}",

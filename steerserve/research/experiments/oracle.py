@@ -20,6 +20,7 @@ from steerserve.research.conditions import eval_prompt, langs_of
 from steerserve.research.experiments.base import Context, Experiment, Plan, ci, ints, split_part
 from steerserve.research.extract import last_token_means
 from steerserve.research.facts import RELATIONS, Fact, load_facts
+from steerserve.research.prefixes import answer_position_note, at_answer_position
 from steerserve.research.report import pct, pyplot
 from steerserve.research.runner import Edit, Runner
 from steerserve.research.scoring import summarise
@@ -60,7 +61,6 @@ def answer_position_means(
     """``(lang, relation) -> [L, H]``: mean block outputs at the name onset (after the model's
     own restated prefix, ``prefixes``) over the first ``per_relation`` train facts."""
     from steerserve.research.facts import eval_records
-    from steerserve.research.prefixes import at_answer_position
 
     out = {}
     for lang in langs:
@@ -130,8 +130,6 @@ def oracle(
     part = (lambda n: None) if partial is None else (lambda n: partial / n)  # noqa: E731
     t0 = time.perf_counter()
     if answer_position:
-        from steerserve.research.prefixes import at_answer_position
-
         items = cached(part("prefixed.json"), lambda: at_answer_position(runner, items))
 
     def baseline() -> dict[str, Any]:
@@ -157,8 +155,6 @@ def oracle(
     out: dict[str, Any] = {"layers": layers, "per_relation": per_relation, "pivots": {}}
     out["position"] = "name onset (own prefix)" if answer_position else "last prompt token"
     if answer_position:
-        from steerserve.research.prefixes import answer_position_note
-
         out["prefix_sources"] = answer_position_note(items)
     out["base_all_langs"] = summarise(items, base_run["res"])
     for pv in pivots:
