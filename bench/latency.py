@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import signal
 import statistics
 import subprocess
@@ -385,7 +386,20 @@ def summary(rounds: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
 
 
 def ratio(s: dict, num: str, den: str, key: str) -> float:
-    return statistics.median(x / y for x, y in zip(s[num][key], s[den][key], strict=True))
+    return statistics.median(_ratios(s, num, den, key))
+
+
+def _ratios(s: dict, num: str, den: str, key: str) -> list[float]:
+    return [x / y for x, y in zip(s[num][key], s[den][key], strict=True)]
+
+
+def ratio_ci(s: dict, num: str, den: str, key: str, n: int = 4000) -> tuple[float, float]:
+    """95 % bootstrap interval of the median per-round ratio, rounds resampled (seeded): how far
+    round-to-round noise lets the ratio move, to read against the target's margin."""
+    rs = _ratios(s, num, den, key)
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def report(s: dict, meta: str) -> str:
@@ -402,17 +416,19 @@ def report(s: dict, meta: str) -> str:
         md.append(f"- {arm}: " + ", ".join(f"{k} {x:.0f}" for k, x in v["cpu_ms"].items()))
     md += [
         "",
-        "| ratio (paired: median over rounds) | p50 | burst tok/s | target |",
+        "| ratio (paired: median over rounds [95 % bootstrap over rounds]) | p50 | burst tok/s "
+        "| target |",
         "|---|---|---|---|",
     ]
     pairs = [("server", "stock", "p50 ≤ 1.05, burst ≥ 0.97"), ("engine", "stock", ""),
              ("server", "engine", "(the gateway)"), ("steered", "engine", "burst ≥ 0.97")]  # fmt: skip
     for num, den, target in pairs:
         if num in s and den in s:
-            md.append(
-                f"| {num} / {den} | **{ratio(s, num, den, '_p50'):.3f}** "
-                f"| **{ratio(s, num, den, '_burst'):.3f}** | {target} |"
-            )
+            cells = []
+            for key in ("_p50", "_burst"):
+                lo, hi = ratio_ci(s, num, den, key)
+                cells.append(f"**{ratio(s, num, den, key):.3f}** [{lo:.3f}, {hi:.3f}]")
+            md.append(f"| {num} / {den} | {cells[0]} | {cells[1]} | {target} |")
     return "\n".join(md) + "\n"
 
 

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from steerserve import __version__
 from steerserve import artifacts as art
+from steerserve.vectors_view import console, describe_auto
 
 
 def read_gates(path: Path) -> dict[str, Any]:
@@ -72,14 +73,6 @@ def _error(x: Any) -> str:
     return f"{'.'.join(map(str, x['loc']))}: {x['msg']}{val}"
 
 
-def describe_auto(m: art.Manifest) -> str:
-    """What ``auto`` does with an artifact, in one line (for show and gate)."""
-    if m.languages is None:
-        return "auto: every non-English language at the calibrated scales (no gate)"
-    gates = ", ".join(f"{k} ×{g.multiplier:g}" for k, g in sorted(m.languages.items()))
-    return f"auto steers: {', '.join(m.auto_languages() or []) or 'no language'} (gate: {gates})"
-
-
 def gate(
     src: str,
     version: str,
@@ -91,8 +84,6 @@ def gate(
     """Write ``root/<name>/<version>/``: the verified artifact ``src`` with the gate of
     ``gates_file``; 1, with the reason, when the source, the gate or the version is refused
     (nothing is written then)."""
-    from steerserve.vectors_view import console
-
     out = out or console()
     try:
         source = art.load_artifact(art.resolve_artifact(src, root))

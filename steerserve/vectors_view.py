@@ -13,12 +13,19 @@ from pathlib import Path
 from rich.console import Console
 
 from steerserve import artifacts as art
-from steerserve.vectors_gate import describe_auto
 
 
 def console() -> Console:
     """A wide console that prints text as given (a manifest's text is not rich markup)."""
     return Console(width=200, markup=False, highlight=False)
+
+
+def describe_auto(m: art.Manifest) -> str:
+    """What ``auto`` does with an artifact, in one line (for show and gate)."""
+    if m.languages is None:
+        return "auto: every non-English language at the calibrated scales (no gate)"
+    gates = ", ".join(f"{k} ×{g.multiplier:g}" for k, g in sorted(m.languages.items()))
+    return f"auto steers: {', '.join(m.auto_languages() or []) or 'no language'} (gate: {gates})"
 
 
 def list_artifacts(root: Path, out: Console | None = None) -> int:

@@ -1075,8 +1075,8 @@ def test_corrupt_artifact_refuses_start(
 
 #: The server's modules, callers before callees: a request only ever calls downwards.
 LAYERS = (
-    "app", "guard", "pipeline", "streaming", "flight", "enrolment", "state", "endpoints", "policy",
-    "backend", "drain", "protocol", "steering", "metrics",
+    "app", "guard", "pipeline", "streaming", "flight", "enrolment", "state", "endpoints", "events",
+    "logprobs", "policy", "backend", "drain", "protocol", "answers", "errors", "steering", "metrics",
 )  # fmt: skip
 
 

@@ -10,12 +10,12 @@ import torch
 from steerserve.artifacts import Artifact, Fingerprint, Intervention, Manifest, ModelBinding
 from steerserve.engine.registry import VectorRegistry
 from steerserve.engine.spec import SteeringEntry
+from steerserve.server.answers import SteeringInfo
+from steerserve.server.errors import ApiError
 from steerserve.server.policy import Decision, LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    SteeringInfo,
     parse_request,
     parse_steering,
 )

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import TYPE_CHECKING
 
-from steerserve.server.protocol import ApiError
-
-if TYPE_CHECKING:
-    from steerserve.server.state import ServerSettings
+from steerserve.server.errors import ApiError
 
 _ARTIFACT_REF = re.compile(
     r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}(/[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99})?$"
@@ -27,13 +23,13 @@ def check_ref(ref: str) -> None:
         )
 
 
-def admin_refusal(settings: ServerSettings) -> str | None:
+def admin_refusal(host: str, api_key: str | None, open_admin: bool) -> str | None:
     """Why admin endpoints are refused: served beyond loopback with no API key and no opt-in,
     anyone who reaches the port could change what every client gets."""
-    if settings.api_key or settings.open_admin or loopback(settings.host):
+    if api_key or open_admin or loopback(host):
         return None
     return (
-        f"the server listens on {settings.host!r} without an API key: set --api-key "
+        f"the server listens on {host!r} without an API key: set --api-key "
         "(STEERSERVE_API_KEY), or allow open admin endpoints with --open-admin "
         "(STEERSERVE_OPEN_ADMIN=1)"
     )

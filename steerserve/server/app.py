@@ -25,13 +25,18 @@ from starlette.requests import ClientDisconnect
 
 from steerserve.server import endpoints, pages, pipeline
 from steerserve.server import protocol as P
-from steerserve.server.guard import Guard
-from steerserve.server.protocol import (
-    ApiError,
+from steerserve.server.answers import (
+    ABResponse,
+    ChatCompletion,
+    Completion,
     ModelCard,
     ModelList,
+    VectorListing,
+)
+from steerserve.server.errors import ApiError, ErrorResponse, api_error
+from steerserve.server.guard import Guard
+from steerserve.server.protocol import (
     VectorLoadRequest,
-    api_error,
     openapi_body,
     openapi_components,
     read_request,
@@ -187,32 +192,32 @@ def _v1_router() -> APIRouter:
         )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    @r.post("/chat/completions", **_route(P.ChatCompletionRequest, P.ChatCompletion, True))
+    @r.post("/chat/completions", **_route(P.ChatCompletionRequest, ChatCompletion, True))
     async def chat(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.CHAT)
 
-    @r.post("/chat/completions/ab", **_route(P.ChatCompletionRequest, P.ABResponse, True))
+    @r.post("/chat/completions/ab", **_route(P.ChatCompletionRequest, ABResponse, True))
     async def chat_ab(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.AB)
 
-    @r.post("/completions", **_route(P.CompletionRequest, P.Completion, True))
+    @r.post("/completions", **_route(P.CompletionRequest, Completion, True))
     async def completions(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.COMPLETIONS)
 
     @r.get(
         "/steering/vectors",
         response_model=None,
-        responses={200: {"model": P.VectorListing}, 401: P.ERRORS[401]},
+        responses={200: {"model": VectorListing}, 401: P.ERRORS[401]},
     )
     async def list_vectors(request: Request) -> dict[str, Any]:
         return _state(request).listing()
 
     feedback = _route(P.FeedbackRequest, P.FeedbackAnswer)
     feedback["responses"] |= {
-        404: {"model": P.ErrorResponse, "description": "no answer of the experiment has this id"},
-        409: {"model": P.ErrorResponse, "description": "the server keeps no decision log"},
-        429: {"model": P.ErrorResponse, "description": "this answer was scored 5 times already"},
-        503: {"model": P.ErrorResponse, "description": "the decision log could not be written"},
+        404: {"model": ErrorResponse, "description": "no answer of the experiment has this id"},
+        409: {"model": ErrorResponse, "description": "the server keeps no decision log"},
+        429: {"model": ErrorResponse, "description": "this answer was scored 5 times already"},
+        503: {"model": ErrorResponse, "description": "the decision log could not be written"},
     }
 
     @r.post("/steering/feedback", response_model=None, **feedback)
@@ -225,11 +230,11 @@ def _v1_router() -> APIRouter:
         pipeline.finish(s, call, 200, timed=False)
         return out
 
-    admin = _route(P.VectorLoadRequest, P.VectorListing)
+    admin = _route(P.VectorLoadRequest, VectorListing)
     admin["responses"] |= {
-        403: {"model": P.ErrorResponse, "description": "admin refused open beyond loopback"},
-        409: {"model": P.ErrorResponse, "description": "same name/version, other data"},
-        422: {"model": P.ErrorResponse, "description": "the artifact fails verification"},
+        403: {"model": ErrorResponse, "description": "admin refused open beyond loopback"},
+        409: {"model": ErrorResponse, "description": "same name/version, other data"},
+        422: {"model": ErrorResponse, "description": "the artifact fails verification"},
     }
 
     @r.post("/steering/vectors", response_model=None, **admin)

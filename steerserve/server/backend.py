@@ -31,7 +31,7 @@ from steerserve.engine.api import (
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.server.drain import GRACE
 from steerserve.server.engine_exit import await_own_stop, engine_processes
-from steerserve.server.protocol import ApiError
+from steerserve.server.errors import ApiError
 from steerserve.server.tokens import Tokens
 
 logger = logging.getLogger(__name__)

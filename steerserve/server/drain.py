@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from steerserve.server.protocol import ApiError
+from steerserve.server.errors import ApiError
 
 logger = logging.getLogger("steerserve.server")
 

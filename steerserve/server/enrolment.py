@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from steerserve.server.endpoints import Endpoint, Prompts
+from steerserve.server.answers import ExperimentInfo, SteeringInfo
+from steerserve.server.endpoints import Endpoint
+from steerserve.server.errors import ApiError
+from steerserve.server.events import Prompts
 from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
-from steerserve.server.protocol import ApiError, ExperimentInfo
 from steerserve.server.steering import SteeringSpec
 
 if TYPE_CHECKING:
-    from steerserve.server.flight import Call
-    from steerserve.server.pipeline import Arm
     from steerserve.server.state import ServerState
 
 
@@ -39,14 +39,16 @@ class Enrolled:
             self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
 
 
-def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> SteeringSpec | None:
-    """The steering under the A/B experiment: a request without ``steering`` and with a subject
-    (its ``user``, else the subject header) gets its arm's; one without a subject is served as
-    before, marked un-enrolled. Explicit steering and the A/B endpoint are left alone."""
+def enrol(
+    state: ServerState, request: Request, req: Any, ep: Endpoint
+) -> tuple[SteeringSpec | None, Enrolled | None]:
+    """The steering under the A/B experiment, and the request's place in it: a request without
+    ``steering`` and with a subject (its ``user``, else the subject header) gets its arm's; one
+    without a subject is served as before, marked un-enrolled. Explicit steering and the A/B
+    endpoint are left alone (no place)."""
     exp = state.experiment
     if exp is None or ep.ab or req.steering is not None:
-        return req.steering
-    call: Call = request.state.call
+        return req.steering, None
     subject = req.user
     if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
         try:
@@ -54,20 +56,25 @@ def enrol(state: ServerState, request: Request, req: Any, ep: Endpoint) -> Steer
         except ValueError as e:
             raise ApiError(str(e), param=SUBJECT_HEADER) from None
     if not subject:
-        call.experiment = Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
-        return None
+        return None, Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
     a = exp.assign(subject)
-    call.experiment = Enrolled(ExperimentInfo(**a.echo()))
-    return exp.steering(a.arm, state.settings.steering)
+    return exp.steering(a.arm, state.settings.steering), Enrolled(ExperimentInfo(**a.echo()))
 
 
-async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Prompts) -> None:
-    """An enrolled request's decision, logged when it is answered. The language is detected for
-    both arms (``auto`` already did for the steered one), so the report compares like with like."""
-    ab = call.experiment
+async def decide(
+    state: ServerState,
+    ab: Enrolled | None,
+    endpoint: str,
+    rid: str,
+    info: SteeringInfo,
+    prompts: Prompts,
+) -> None:
+    """An enrolled request's decision (``info``: its arm's steering), logged when it is
+    answered. The language is detected for both arms (``auto`` already did for the steered
+    one), so the report compares like with like."""
     if ab is None or ab.echo.arm == UNENROLLED:
         return
-    info, text = arm.info, "\n".join(prompts.language_texts)
+    text = "\n".join(prompts.language_texts)
     lang = info.detected_language
     if lang is None:
         try:
@@ -80,7 +87,7 @@ async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Pr
         "experiment": ab.echo.name,
         "arm": ab.echo.arm,
         "subject_hash": ab.echo.subject_hash,
-        "endpoint": call.endpoint,
+        "endpoint": endpoint,
         "model": state.model_name,
         "language": lang,
         "applied": info.applied,
@@ -89,19 +96,20 @@ async def decide(state: ServerState, call: Call, rid: str, arm: Arm, prompts: Pr
     }
 
 
-def settle_experiment(state: ServerState, call: Call, status: int, seconds: float | None) -> None:
+def settle_experiment(
+    state: ServerState, ab: Enrolled, status: int, seconds: float | None, tokens: tuple[int, int]
+) -> None:
     """Metrics by experiment and arm; an answered enrolled request goes to the decision log (a
-    failed write is counted there, never the request's failure)."""
-    ab = call.experiment
-    assert ab is not None
-    state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, call.tokens)
+    failed write is counted there, never the request's failure). ``tokens``: prompt,
+    completion."""
+    state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, tokens)
     if ab.decision is None or status != 200:
         return
     record = {
         **ab.decision,
         "latency_ms": None if seconds is None else round(seconds * 1e3, 1),
-        "prompt_tokens": call.tokens[0],
-        "completion_tokens": call.tokens[1],
+        "prompt_tokens": tokens[0],
+        "completion_tokens": tokens[1],
     }
     if ab.replies is not None:
         record["reply"] = [ab.replies[k] for k in sorted(ab.replies)]

@@ -18,11 +18,10 @@ from fastapi import Request
 
 from steerserve.server.backend import engine_error
 from steerserve.server.drain import Drain
-from steerserve.server.enrolment import settle_experiment
-from steerserve.server.protocol import ApiError
+from steerserve.server.enrolment import Enrolled, settle_experiment
+from steerserve.server.errors import ApiError
 
 if TYPE_CHECKING:
-    from steerserve.server.enrolment import Enrolled
     from steerserve.server.state import ServerState
 
 logger = logging.getLogger("steerserve.server")
@@ -54,7 +53,7 @@ def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> N
     seconds = time.perf_counter() - call.t0
     state.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
     if call.experiment is not None:
-        settle_experiment(state, call, status, seconds if timed else None)
+        settle_experiment(state, call.experiment, status, seconds if timed else None, call.tokens)
     logger.info(
         "request endpoint=%s arm=%s status=%d ms=%.1f",
         call.endpoint,

@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from steerserve.server.protocol import ApiError
+from steerserve.server.errors import ApiError
 
 logger = logging.getLogger("steerserve.server")
 

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from steerserve import ab_report
+from steerserve.server.errors import ApiError
 from steerserve.server.experiment import STEERED
-from steerserve.server.protocol import ApiError
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState

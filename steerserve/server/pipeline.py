@@ -24,12 +24,15 @@ from fastapi.responses import Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
+from steerserve.server.answers import ExperimentInfo, SteeringInfo, Usage
 from steerserve.server.backend import copies
-from steerserve.server.endpoints import ArmOutput, Endpoint
+from steerserve.server.endpoints import Endpoint
 from steerserve.server.enrolment import decide, enrol
+from steerserve.server.errors import ApiError
+from steerserve.server.events import ArmOutput
 from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
 from steerserve.server.policy import OFF
-from steerserve.server.protocol import ApiError, ExperimentInfo, SteeringInfo, Usage, read_request
+from steerserve.server.protocol import read_request
 from steerserve.server.steering import SteeringSpec
 from steerserve.server.streaming import stream
 
@@ -63,7 +66,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     backend = state.backend
     backend.check_size(*ep.size(req))
     prompts = await backend.off_loop(ep.prompts, req, backend.tokenizer, backend.vocab_size)
-    spec = enrol(state, request, req, ep)
+    spec, call.experiment = enrol(state, request, req, ep)
     per_prompt = await steer_prompts(state, spec, prompts.language_texts, ep.ab)
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
@@ -77,7 +80,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         backend.sampling_params(req, len(ids), logprobs=lp, output_kind=kind) for ids in prompts.ids
     ]
     rid = f"{ep.id_prefix}-{uuid.uuid4().hex}"
-    await decide(state, call, rid, arms[0], prompts)
+    await decide(state, call.experiment, call.endpoint, rid, arms[0].info, prompts)
     gens = [
         [
             backend.generate(

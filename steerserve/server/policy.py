@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from steerserve.artifacts import Artifact, artifact_name_version, named
 from steerserve.engine.spec import SteeringEntry
-from steerserve.server.protocol import ApiError, AppliedIntervention, SteeringInfo
+from steerserve.server.answers import AppliedIntervention, SteeringInfo
+from steerserve.server.errors import ApiError
 from steerserve.server.steering import (
     DEFAULT_MODE,
     MODES,

@@ -22,6 +22,7 @@ from steerserve.server.defaults import (
     REQUEST_TIMEOUT_SECONDS,
 )
 from steerserve.server.drain import Drain
+from steerserve.server.errors import ApiError
 from steerserve.server.experiment import (
     MAX_FEEDBACK_PER_ID,
     STEERED,
@@ -33,7 +34,6 @@ from steerserve.server.experiment import (
 )
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
-from steerserve.server.protocol import ApiError
 from steerserve.server.steering import DEFAULT_MODE, MODES
 from steerserve.server.vetting import check_artifacts, loadable
 
@@ -88,7 +88,7 @@ class ServerState:
         self.drain = Drain()  # past the drain deadline: requests in flight are answered 503
         self.created = int(time.time())
         self.loaded = False
-        self.admin_refusal = admin_refusal(settings)
+        self.admin_refusal = admin_refusal(settings.host, settings.api_key, settings.open_admin)
         if self.admin_refusal:
             logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin_refusal)
 

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from steerserve.server.answers import Usage
 from steerserve.server.backend import engine_error
 from steerserve.server.drain import Drain
-from steerserve.server.endpoints import Prompts, sse
+from steerserve.server.events import Prompts, sse
 from steerserve.server.flight import Call, ClientGone, Flight, until_disconnect
-from steerserve.server.protocol import Usage
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState

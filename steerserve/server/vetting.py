@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from steerserve.artifacts import Artifact, Scanned, named
-from steerserve.server.protocol import ApiError
+from steerserve.server.errors import ApiError
 
 logger = logging.getLogger("steerserve.server")
 

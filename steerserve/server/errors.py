@@ -1,0 +1,81 @@
+"""Every error in OpenAI's format (:class:`ApiError`), and a pydantic validation error as one
+that names its field (:func:`api_error`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ApiError(Exception):
+    """An error to return in OpenAI's format; ``status`` < 500 means the caller's fault."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        ).model_dump()
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's format."""
+
+    error: ErrorDetail
+
+
+# pydantic puts union-member tags ("str", "list[int]", "ContentPart", "Multipliers") into locations.
+_TAG = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
+UNKNOWN_STEERING_FIELD = "unknown field (use 'interventions' or 'entries')"
+
+
+def _param(loc: tuple[Any, ...], field_last: bool = False) -> str | None:
+    """The dotted field of a location, union tags left out; ``field_last``: its last part is a
+    field name even when it looks like a tag (an unknown field ``Temperature``)."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _TAG.match(str(part)) or (field_last and i == len(loc) - 1):
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
+    """One pydantic error as a 400 naming its field (``prefix`` + its location, extended by a
+    field our validators carry)."""
+    loc = (*prefix, *err.get("loc", ()))
+    unknown = err["type"] == "extra_forbidden"
+    param = (_param(loc, unknown) or "") + str((err.get("ctx") or {}).get("field", "")) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = (
+            UNKNOWN_STEERING_FIELD if loc[:1] == ("steering",) else "unrecognized request argument"
+        )
+    return ApiError(f"{param}: {msg}" if param else msg, param=param)
