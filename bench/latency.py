@@ -521,13 +521,20 @@ def main() -> None:
     ap.add_argument("--logs", help="server logs here (default: a temp dir)")
     ap.add_argument("--json", help="write every round here")
     ap.add_argument("--profile", help="py-spy every arm's single requests into this folder")
-    ap.add_argument("--summarize", help="only print the tables of a --json file (a stopped run)")
+    ap.add_argument(
+        "--summarize",
+        nargs="+",
+        help="only print the tables of --json files (a stopped run; several: their rounds pooled, "
+        "arms common to all)",
+    )
     a = ap.parse_args()
     if a.dtype == "auto":
         a.dtype = "bfloat16" if serve_dtype("auto", False) == "auto" else "float32"
     if a.summarize:
-        rounds = json.loads(Path(a.summarize).read_text())["rounds"]
-        print(report(summary(rounds), f"{a.summarize}: {len(rounds)} rounds"))
+        rounds = [r for f in a.summarize for r in json.loads(Path(f).read_text())["rounds"]]
+        arms = [arm for arm in rounds[0] if all(arm in r for r in rounds)]
+        rounds = [{arm: r[arm] for arm in arms} for r in rounds]
+        print(report(summary(rounds), f"{' + '.join(a.summarize)}: {len(rounds)} rounds"))
         return
     asyncio.run(run(a))
 

@@ -153,7 +153,10 @@ def _errors(app: FastAPI) -> None:
 def _ops_router() -> APIRouter:
     r = APIRouter()
 
-    @r.api_route("/health", methods=["GET", "HEAD"])
+    # HEAD as its own undocumented route: one route with both methods gives two OpenAPI
+    # operations the same id (FastAPI warns)
+    @r.head("/health", include_in_schema=False)
+    @r.get("/health")
     async def health(request: Request) -> JSONResponse:
         """Liveness: 200 while the process serves (also while loading); 503 once the engine
         has died or failed to load, so an orchestrator restarts the process."""
