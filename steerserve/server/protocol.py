@@ -3,6 +3,7 @@
 Requests are strict (unknown fields and wrong types are refused), so a misspelt ``steering`` can
 never produce a silently unsteered answer. ``steering`` is a discriminated union (:data:`Steering`)
 validated with the rest of the body; every problem becomes an :class:`ApiError` naming its field.
+What the server answers is in ``answers.py``; the error format in ``errors.py``.
 """
 
 from __future__ import annotations
