@@ -14,7 +14,8 @@
       const vecs = await steer.json("/v1/steering/vectors");
       artifacts = vecs.data;
       const opts = [
-        el("option", { value: "auto", text: "auto: the default artifact, language detected" }),
+        // the A/B endpoint's steered arm always steers: auto means on there (its language gate aside)
+        el("option", { value: "auto", text: "auto: as on here (the language is shown, not gated)" }),
         el("option", { value: "on", text: "on: the default artifact" }),
         ...artifacts.map((a) => el("option", { value: "art:" + a.id, text: a.id + ": per intervention" })),
       ];
