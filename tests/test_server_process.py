@@ -225,12 +225,17 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return fn(*args), time.monotonic()
 
 
-def _in_flight(c: httpx.Client, n: int) -> None:
+def _in_flight(c: httpx.Client, n: int, futures: list[Any]) -> None:
     """Wait for ``n`` requests in flight, polling on ``c`` (a new client per poll would load a
-    TLS context 50 times a second, the cost that held the requests back)."""
-    deadline = time.monotonic() + 60
-    while _queue_depth(c) < n:
-        assert time.monotonic() < deadline, f"never {n} requests in flight"
+    TLS context 50 times a second, the cost that held the requests back). Fails at once, saying
+    so, when one of ``futures`` (the requests) ended first: the server finished some before it
+    saw the rest, and waiting longer cannot help."""
+    deadline, most = time.monotonic() + 60, 0.0
+    while (depth := _queue_depth(c)) < n:
+        most = max(most, depth)
+        ended = sum(f.done() for f in futures)
+        assert not ended, f"{ended} request(s) ended before {n} were in flight (at most {most})"
+        assert time.monotonic() < deadline, f"never {n} requests in flight (at most {most})"
         time.sleep(0.02)
 
 
@@ -263,7 +268,7 @@ def test_cli_serve_multiprocess_group_sigint_drains(
         with c, ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(_timed, _stream, c, 1000) for _ in range(4)]
             collected = [pool.submit(_timed, _collected, c, 1000) for _ in range(4)]
-            _in_flight(c, 8)
+            _in_flight(c, 8, streams + collected)
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGINT)
             signalled = time.monotonic()
@@ -361,7 +366,7 @@ def test_d2_drain_deadline_or_second_signal_answers_every_request(
         with c, ThreadPoolExecutor(8) as pool:
             streams = [pool.submit(_stream_lines, c, 1000) for _ in range(4)]
             collected = [pool.submit(_collected, c, 1000) for _ in range(4)]
-            _in_flight(c, 8)
+            _in_flight(c, 8, streams + collected)
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGTERM)
             if stop == "second signal":
