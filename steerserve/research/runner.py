@@ -62,11 +62,21 @@ def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list
 
 
 def chat_encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
-    """A chat's prompt ids, then its ``reply_prefix`` (the model's own words before the name,
-    ``prefixes.with_prefixes``) as if already generated; each alias tokenised in context after
-    the prefix (where a merge across the boundary breaks that, the alias alone). A space that
-    ends the prefix ("La capital de Rusia es ") goes with the name, as the model writes it
-    (" Moscú"): a prompt ending in a lone space token is a state the model never reaches."""
+    """A chat's prompt ids followed by its reply prefix's, and each alias's ids
+    (:func:`chat_parts`)."""
+    prompt, pre, aliases = chat_parts(tokenizer, rec)
+    return prompt + pre, aliases
+
+
+def chat_parts(
+    tokenizer: Any, rec: Mapping[str, Any]
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """A chat's prompt ids; its ``reply_prefix`` (the model's own words before the name,
+    ``prefixes.with_prefixes``) as if already generated; each distinct alias tokenised in
+    context after the prefix (where a merge across the boundary breaks that, the alias alone).
+    A space that ends the prefix ("La capital de Rusia es ") goes with the name, as the model
+    writes it (" Moscú"): a prompt ending in a lone space token is a state the model never
+    reaches."""
     sep = reply_separator(tokenizer)
     whole = rec.get("reply_prefix") or ""
     prefix = whole.rstrip()
@@ -79,8 +89,8 @@ def chat_encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list
         aliases.append(
             full[len(pre) :] if ok else tokenizer(a, add_special_tokens=False)["input_ids"]
         )
-    ids = chat_ids(tokenizer, rec["messages"]) + pre
-    return ids, [a for i, a in enumerate(aliases) if a and a not in aliases[:i]]
+    distinct = [a for i, a in enumerate(aliases) if a and a not in aliases[:i]]
+    return chat_ids(tokenizer, rec["messages"]), pre, distinct
 
 
 def decided(text: str, rec: Mapping[str, Any]) -> bool:

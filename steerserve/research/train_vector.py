@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from steerserve.chat import chat_ids
 from steerserve.research.hf import decoder_layers, left_padded
-from steerserve.research.runner import chat_encode
+from steerserve.research.runner import chat_parts
 
 #: Fewer training items than this per language is refused: the vector would fit noise.
 MIN_PER_LANG = 8
@@ -75,9 +74,9 @@ def items_of(tokenizer: Any, records: Sequence[Mapping[str, Any]]) -> list[Item]
     the target; an English record's target is its English answer, for the KL term only)."""
     out = []
     for r in records:
-        ids, aliases = chat_encode(tokenizer, r)  # the one rule for a prefix and its name
-        start = len(chat_ids(tokenizer, r["messages"]))
-        out.append(Item(r["id"], r["lang"], ids + aliases[0], start - 1, len(ids)))
+        prompt, pre, aliases = chat_parts(tokenizer, r)  # the one rule for a prefix and its name
+        ids = prompt + pre
+        out.append(Item(r["id"], r["lang"], ids + aliases[0], len(prompt) - 1, len(ids)))
     return out
 
 
