@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -154,8 +155,9 @@ def serving(model: Path, tmp: Path, **env: str | None) -> Iterator[Serve]:
         srv.stop()
 
 
-def _stream(c: httpx.Client, max_tokens: int) -> list[str]:
-    """A streamed chat answer's SSE lines."""
+def _stream(c: httpx.Client, max_tokens: int, started: threading.Event) -> tuple[int, list[str]]:
+    """A streamed chat answer's status and SSE lines, however it ends; ``started`` is set at its
+    first line (or when it ends without one)."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hi"}],
@@ -166,12 +168,15 @@ def _stream(c: httpx.Client, max_tokens: int) -> list[str]:
         "stream_options": {"include_usage": True},
     }
     lines = []
-    with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line:
-                lines.append(line)
-    return lines
+    try:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+            return r.status_code, lines
+    finally:
+        started.set()
 
 
 def _completed(lines: list[str], tokens: int) -> bool:
@@ -227,16 +232,79 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 def _in_flight(c: httpx.Client, n: int, futures: list[Any]) -> None:
     """Wait for ``n`` requests in flight, polling on ``c`` (a new client per poll would load a
-    TLS context 50 times a second, the cost that held the requests back). Fails at once, saying
-    so, when one of ``futures`` (the requests) ended first: the server finished some before it
-    saw the rest, and waiting longer cannot help."""
-    deadline, most = time.monotonic() + 60, 0.0
+    TLS context 50 times a second). Called with the worker frozen (:func:`under_way`), no request
+    can end first; one that did end (refused, say) fails the wait at once, saying so."""
+    deadline, most = time.monotonic() + 120, 0.0
     while (depth := _queue_depth(c)) < n:
         most = max(most, depth)
-        ended = sum(f.done() for f in futures)
-        assert not ended, f"{ended} request(s) ended before {n} were in flight (at most {most})"
+        ended = [f.result() for f in futures if f.done()]
+        assert not ended, f"{len(ended)} request(s) ended before {n} were in flight: {ended[0]}"
         assert time.monotonic() < deadline, f"never {n} requests in flight (at most {most})"
         time.sleep(0.02)
+
+
+class Worker:
+    """The engine's worker processes (EngineCore's children), stopped with SIGSTOP and let go on
+    with SIGCONT. While they are stopped the engine takes no step, so no request can end,
+    however slow the admission of the others; EngineCore itself runs on, so it receives every
+    request and, once it has work, drains all of them on a signal (one that found it idle would
+    stop it at once, with requests still in its socket)."""
+
+    def __init__(self, srv: Serve) -> None:
+        self.procs = srv.engine_core().children(recursive=True)
+        assert self.procs, "no worker process"
+        self.stopped = False
+
+    def freeze(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def thaw(self) -> None:
+        if self.stopped:
+            self.stopped = False
+            for p in self.procs:
+                if p.is_running():
+                    p.send_signal(signal.SIGCONT)
+
+
+@contextmanager
+def under_way(
+    srv: Serve, c: httpx.Client, pool: ThreadPoolExecutor, max_tokens: int
+) -> Iterator[tuple[Worker, list[Any], list[Any]]]:
+    """4 streamed and 4 collected requests of ``max_tokens`` in flight, every stream under way
+    (its first token sent), the worker frozen: by construction, not by speed. The worker is
+    frozen while they are admitted (none can end first, so all 8 are in flight), let go until
+    every stream has its first token (all 8 are then in the engine's batch), and frozen again
+    a few milliseconds later, ``max_tokens`` - 1 tokens before any could end. Yields the worker
+    (thawed on leaving), the streams' and the collected requests' futures."""
+    worker = Worker(srv)
+    worker.freeze()
+    try:
+        started = [threading.Event() for _ in range(4)]
+        streams = [pool.submit(_timed, _stream, c, max_tokens, e) for e in started]
+        collected = [pool.submit(_timed, _collected, c, max_tokens) for _ in range(4)]
+        _in_flight(c, 8, streams + collected)
+        worker.thaw()
+        for e in started:
+            assert e.wait(120), "a stream never started"
+        worker.freeze()
+        ended = [f.result() for f in streams + collected if f.done()]
+        assert not ended, f"a request ended while the worker ran: {ended[0]}"
+        yield worker, streams, collected
+    finally:
+        worker.thaw()
+
+
+def _refused_soon(url: str) -> bool:
+    """Whether the server stops accepting connections within 5 s (it drains after a signal)."""
+    for _ in range(50):
+        try:
+            httpx.get(f"{url}/health", timeout=1)
+        except httpx.TransportError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_cli_serve_multiprocess_group_sigint_drains(
@@ -261,28 +329,18 @@ def test_cli_serve_multiprocess_group_sigint_drains(
         steering = resp.model_extra["steering"]
         assert steering["applied"] and steering["policy"] == "on"  # STEERSERVE_STEERING=on
 
-        # One client made beforehand: a client per request loads its TLS context on the spot,
-        # which on a loaded 2-core machine held some requests back by seconds (the server
-        # then finished the first ones before it ever saw the rest).
+        # One client made beforehand: a client per request loads its TLS context on the spot.
         c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=300)
-        with c, ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_timed, _stream, c, 1000) for _ in range(4)]
-            collected = [pool.submit(_timed, _collected, c, 1000) for _ in range(4)]
-            _in_flight(c, 8, streams + collected)
+        with c, ThreadPoolExecutor(8) as pool, under_way(srv, c, pool, 1000) as flight:
+            worker, streams, collected = flight
             assert srv.proc is not None
-            os.killpg(srv.proc.pid, signal.SIGINT)
+            os.killpg(srv.proc.pid, signal.SIGINT)  # the worker ignores it; EngineCore drains
             signalled = time.monotonic()
-            refused = False
-            for _ in range(50):
-                try:
-                    httpx.get(f"{srv.url}/health", timeout=1)
-                except httpx.TransportError:
-                    refused = True
-                    break
-                time.sleep(0.1)
+            worker.thaw()
+            refused = _refused_soon(srv.url)
             for f in streams:
-                lines, done = f.result(300)
-                assert _completed(lines, 1000), lines[-3:]
+                (status, lines), done = f.result(300)
+                assert status == 200 and _completed(lines, 1000), lines[-3:]
                 assert done > signalled
             for f in collected:
                 r, done = f.result(300)
@@ -338,46 +396,37 @@ def test_dead_engine_fails_health_and_exits_non_zero(
         assert srv.survivors(30) == [], srv.tail()
 
 
-def _stream_lines(c: httpx.Client, max_tokens: int) -> tuple[int, list[str]]:
-    """A streamed chat answer's status and SSE lines, however it ends."""
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with c.stream("POST", "/v1/chat/completions", json=body) as r:
-        return r.status_code, [line for line in r.iter_lines() if line]
-
-
 @pytest.mark.parametrize("stop", ["deadline", "second signal"])
 def test_d2_drain_deadline_or_second_signal_answers_every_request(
     tiny_llama: Path, tmp_path: Path, stop: str
 ) -> None:
     """Issue 21, defect 2: 8 requests in flight (4 streamed, 4 collected) when SIGTERM reaches
-    the group, and they cannot finish before --drain-seconds (1 s), or a second SIGTERM comes:
-    each collected request is a 503 ``service_unavailable`` in OpenAI's format, each stream ends
-    with an error event and [DONE]; the exit status is 1, the log says 8 were dropped, no
-    traceback, no process left."""
+    the group, and they cannot finish (the worker is frozen) before --drain-seconds (1 s), or a
+    second SIGTERM comes: each collected request is a 503 ``service_unavailable`` in OpenAI's
+    format, each stream ends with an error event and [DONE]; the exit status is 1, the log says
+    8 were dropped, no traceback, no process left."""
     drain = "1" if stop == "deadline" else "300"
     with serving(tiny_llama, tmp_path, STEERSERVE_DRAIN_SECONDS=drain) as srv:
         c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=120)
-        with c, ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_stream_lines, c, 1000) for _ in range(4)]
-            collected = [pool.submit(_collected, c, 1000) for _ in range(4)]
-            _in_flight(c, 8, streams + collected)
+        with c, ThreadPoolExecutor(8) as pool, under_way(srv, c, pool, 1000) as flight:
+            worker, streams, collected = flight
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGTERM)
             if stop == "second signal":
-                time.sleep(0.5)
+                # the first signal handled (the server stopped listening), then the second
+                assert _refused_soon(srv.url), srv.tail()
                 os.kill(srv.proc.pid, signal.SIGTERM)
+            # The worker stays frozen until the front end has dropped every request (at its
+            # deadline or the second signal): none can have finished, however fast the machine.
+            for f in collected + streams:
+                f.exception(120)
+            worker.thaw()
             for f in collected:
-                r = f.result(120)
+                r, _ = f.result()
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["type"] == "service_unavailable", r.text
             for f in streams:
-                status, lines = f.result(120)
+                (status, lines), _ = f.result()
                 assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
                 err = json.loads(lines[-2][6:])["error"]
                 assert err["type"] == "service_unavailable", lines[-2]

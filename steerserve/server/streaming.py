@@ -35,9 +35,12 @@ async def stream(
     headers: dict[str, str],
 ) -> Response:
     """Wait for every request's first output, so engine-side refusals are still a proper 4xx
-    (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream."""
+    (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream. The
+    wait counts in the queue gauge (the flight counts it from the first output on): a stream
+    waiting for its first token is queued, and an autoscaler keyed on the gauge must see it."""
     try:
-        firsts = await until_disconnect(request, first_outputs(gens), state.drain)
+        with state.metrics.queue_depth.track_inprogress():
+            firsts = await until_disconnect(request, first_outputs(gens), state.drain)
     except ClientGone:
         async with Flight(state, call, request, gens) as flight:
             raise ClientGone from None
