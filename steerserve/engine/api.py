@@ -140,13 +140,10 @@ class Admission:
         self.registry = VectorRegistry(shape.hidden_size)
         self.steerable = None if cfg.steerable_layers is None else frozenset(cfg.steerable_layers)
 
-    def prepare(
-        self, steering: Iterable[Any] | None, *, field: str = "steering", share_prefix: bool = False
-    ) -> Prepared:
+    def prepare(self, steering: Iterable[Any] | None, *, field: str = "steering") -> Prepared:
         """Validate entries (:class:`spec.SteeringError` naming the field under ``field``) and
-        encode them for vLLM. ``share_prefix`` drops the prefix-cache salt where that is exact
-        (:func:`spec.shares_unsteered_prefix`), so a sweep's steered requests reuse the unsteered
-        prompt KV; never for requests whose prompts later requests extend (a chat server)."""
+        encode them for vLLM, with the prefix-cache salt that shares the blocks before the first
+        steered token (``engine/prefix.py``)."""
         if steering is None:
             return UNSTEERED
         if not self.cfg.steering:
@@ -163,8 +160,7 @@ class Admission:
         )
         if not entries:
             return UNSTEERED
-        shared = share_prefix and spec.shares_unsteered_prefix(entries)
-        salt = None if shared else spec.cache_salt(entries, self.registry.digests())
+        salt = spec.cache_salt(entries, self.registry.digests())
         return Prepared(entries, {spec.EXTRA_ARGS_KEY: spec.encode(entries)}, salt)
 
 
@@ -242,17 +238,15 @@ class SteerEngine:
         sampling_params: Any,
         steering: Sequence[Iterable[Any] | None] | None = None,
         use_tqdm: bool = False,
-        share_prefix: bool = False,
     ) -> list[Any]:
         """Like ``LLM.generate``; ``steering[i]`` is prompt i's entries (or None). All requests
-        are admitted before any is submitted, so one bad entry fails the call, not the batch.
-        ``share_prefix``: see :meth:`Admission.prepare`."""
+        are admitted before any is submitted, so one bad entry fails the call, not the batch."""
         n = len(prompts)
         steering = [None] * n if steering is None else list(steering)
         if len(steering) != n:
             raise ValueError(f"steering: {len(steering)} items for {n} prompts")
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        prepared = [self.admission.prepare(s, share_prefix=share_prefix) for s in steering]
+        prepared = [self.admission.prepare(s) for s in steering]
         return self.llm.generate(
             [make_prompt(p, pr) for p, pr in zip(prompts, prepared, strict=True)],
             [with_steering(sp, pr) for sp, pr in zip(sps, prepared, strict=True)],

@@ -1,8 +1,9 @@
 """vLLM general-plugin entry point (``vllm.general_plugins``: ``steerserve``).
 
 Runs in every vLLM process (front end, engine core, workers); cheap, idempotent, no device work:
-it only registers the ``Steered<Arch>`` classes by import path, so nothing heavy loads until a
-steered model is built.
+it registers the ``Steered<Arch>`` classes by import path, so nothing heavy loads until a
+steered model is built, and installs the prefix-cache seam (``prefix.py``), which the scheduler
+(in the engine core) uses.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from steerserve.engine import prefix
     from steerserve.engine.archs import SUPPORTED, steered_name
 
     for arch in SUPPORTED:
         name = steered_name(arch)
         ModelRegistry.register_model(name, f"steerserve.engine.archs:{name}")
+    prefix.install()
     _registered = True

@@ -185,17 +185,14 @@ def validate(
     return tuple(out)
 
 
-#: ``positions`` that leave every token before the last prompt token unsteered.
-PREFIX_SAFE: frozenset[str] = frozenset({"last_prompt_and_generated", "generated"})
-
-
-def shares_unsteered_prefix(entries: Sequence[SteeringEntry]) -> bool:
-    """True when the entries leave the KV of every prompt token but the last exactly as unsteered
-    (no ``positions="all"``), so such a request may read the unsteered prefix cache: vLLM always
-    recomputes a prompt's last token. Only safe when no later request extends this one's prompt
-    or output (its steered last-prompt and generated tokens are cached under the unsalted hash):
-    true of offline sweeps over fixed prompts, not of a server's multi-turn chats."""
-    return all(e.positions in PREFIX_SAFE for e in entries)
+def first_steered(entries: Sequence[SteeringEntry]) -> int | None:
+    """Where the entries' steering starts, from the end of the prompt (-1: the last prompt token,
+    0: the first generated token), or None from token 0: every token before it keeps exactly its
+    unsteered KV, so its cached blocks are shared (``engine/prefix.py``)."""
+    phases = {ph for e in entries for ph in POSITIONS[e.positions]}
+    if PHASE_PROMPT in phases:
+        return None
+    return -1 if PHASE_LAST_PROMPT in phases else 0
 
 
 def plan_rows(entries: Sequence[SteeringEntry]) -> list[RowPlan]:
@@ -247,8 +244,14 @@ def decode(value: Any) -> tuple[SteeringEntry, ...]:
     return tuple(out)
 
 
+#: How a steered request's ``cache_salt`` begins (``engine/prefix.py`` reads the rest).
+SALT_PREFIX = "steer-"
+
+
 def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> str:
-    """Prefix-cache salt: steered KV is never shared with unsteered requests or other configs.
+    """Prefix-cache salt: steered KV is never shared with unsteered requests or other configs
+    from the first steered token on (``@`` and :func:`first_steered`, when it is not token 0);
+    the blocks before it are shared (``engine/prefix.py``).
 
     ``digests`` maps vector names to a content hash, so a different vector under the same name
     can never reuse cached KV.
@@ -258,4 +261,5 @@ def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> 
         h.update(
             f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions};".encode()
         )
-    return "steer-" + h.hexdigest()[:32]
+    start = first_steered(entries)
+    return SALT_PREFIX + h.hexdigest()[:32] + ("" if start is None else f"@{start}")

@@ -152,7 +152,6 @@ def run_config(
     records: Sequence[dict],
     entries: Sequence[SteeringEntry] | None,
     max_tokens: int = 8,
-    share_prefix: bool = True,
 ) -> tuple[list[str], float]:
     """Greedy answers of every record under one steering config, and the seconds it took."""
     t0 = time.perf_counter()
@@ -164,7 +163,6 @@ def run_config(
         prompts,
         [entries] * len(prompts),
         max_tokens,
-        share_prefix=share_prefix,
         form=dataset_form(records),
     )
     return [g.text for g in gens], time.perf_counter() - t0

@@ -72,20 +72,19 @@ def generate(
     max_tokens: int = 8,
     chunk: int = 256,
     progress: Callable[[int], None] | None = None,
-    share_prefix: bool = True,
     form: str = "completion",
 ) -> list[Generation]:
     """Greedy replies, each ended by EOS, the form's stop (a completion's first newline, a chat's
-    blank line: ``replies.stop_strings``) or ``max_tokens``, which it then says.
-    ``share_prefix``: steered requests reuse the unsteered prompt KV where that is exact (fixed
-    prompts, see ``Admission.prepare``), which makes sweeps ~3x cheaper."""
+    blank line: ``replies.stop_strings``) or ``max_tokens``, which it then says. Steered requests
+    reuse the unsteered prompt KV up to their first steered token (``engine/prefix.py``), which
+    makes sweeps ~3x cheaper."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop_strings(form))
     out: list[Generation] = []
     for i in range(0, len(prompts), chunk):
         ps, st = prompts[i : i + chunk], steering[i : i + chunk]
-        res = engine.generate(ps, sp, steering=st, share_prefix=share_prefix)
+        res = engine.generate(ps, sp, steering=st)
         for r in res:
             o = r.outputs[0]
             out.append(Generation(o.text, len(o.token_ids), o.finish_reason == "length"))
