@@ -44,9 +44,16 @@ def build_tokenizer(path: Path) -> int:
 
 
 def build_tiny_model(
-    path: str | Path, arch: str = "llama", *, num_layers: int = 4, hidden: int = 64, seed: int = 0
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
+    max_positions: int = 1024,
 ) -> Path:
-    """Write a random ``arch`` ("llama" or "gemma3") model with its tokenizer to ``path``."""
+    """Write a random ``arch`` ("llama" or "gemma3") model with its tokenizer to ``path``
+    (``max_positions``: its context, the most ``max_model_len`` vLLM then allows)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +70,7 @@ def build_tiny_model(
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

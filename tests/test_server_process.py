@@ -35,6 +35,14 @@ AB_USERS = [f"user-{i}" for i in range(20)]
 
 
 @pytest.fixture(scope="module")
+def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a context of 8,192 (the drain tests' requests are long)."""
+    from steerserve.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("long") / "llama", max_positions=8192)
+
+
+@pytest.fixture(scope="module")
 def ab_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Both servers here run the same A/B experiment into one decision log: the second is the
     first one restarted, as far as the experiment can tell."""
@@ -199,11 +207,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _queue_depth(c: httpx.Client) -> float:
+def _gauges(c: httpx.Client, *names: str) -> list[float]:
+    """The values of steerserve gauges on /metrics (0 when absent)."""
+    values = dict.fromkeys(names, 0.0)
     for line in c.get("/metrics", timeout=5).text.splitlines():
-        if line.startswith("steerserve_queue_depth "):
-            return float(line.split()[1])
-    return 0.0
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return list(values.values())
 
 
 def _answers_after_idle(url: str, idle: float) -> bool:
@@ -231,12 +242,13 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
 
 
 def _in_flight(c: httpx.Client, n: int, futures: list[Any]) -> None:
-    """Wait for ``n`` requests in flight, polling on ``c`` (a new client per poll would load a
-    TLS context 50 times a second). Called with the worker frozen (:func:`under_way`), no request
+    """Wait for ``n`` requests in flight and handed to the engine (a request counts in the queue
+    gauge before the engine has it), polling on ``c`` (a new client per poll would load a TLS
+    context 50 times a second). Called with the worker frozen (:func:`under_way`), no request
     can end first; one that did end (refused, say) fails the wait at once, saying so."""
     deadline, most = time.monotonic() + 120, 0.0
-    while (depth := _queue_depth(c)) < n:
-        most = max(most, depth)
+    while min(seen := _gauges(c, "steerserve_queue_depth", "steerserve_engine_requests")) < n:
+        most = max(most, min(seen))
         ended = [f.result() for f in futures if f.done()]
         assert not ended, f"{len(ended)} request(s) ended before {n} were in flight: {ended[0]}"
         assert time.monotonic() < deadline, f"never {n} requests in flight (at most {most})"
@@ -268,29 +280,49 @@ class Worker:
                     p.send_signal(signal.SIGCONT)
 
 
+#: Tokens of the requests the drop tests hold in flight (on :func:`long_llama`): they need not
+#: finish, and the longer they are, the more engine steps they are from their end when the
+#: worker is frozen again.
+LONG = 4000
+
+
+def _submit(c: httpx.Client, pool: ThreadPoolExecutor, tokens: int) -> tuple[list, list, list]:
+    """4 streamed and 4 collected requests of ``tokens``: the streams' ``started`` events and
+    both lists of futures."""
+    started = [threading.Event() for _ in range(4)]
+    streams = [pool.submit(_timed, _stream, c, tokens, e) for e in started]
+    collected = [pool.submit(_timed, _collected, c, tokens) for _ in range(4)]
+    return started, streams, collected
+
+
+def _none_ended(futures: list[Any]) -> None:
+    ended = [f.result() for f in futures if f.done()]
+    assert not ended, f"a request ended while the worker ran: {ended[0]}"
+
+
 @contextmanager
 def under_way(
-    srv: Serve, c: httpx.Client, pool: ThreadPoolExecutor, max_tokens: int
+    srv: Serve, c: httpx.Client, pool: ThreadPoolExecutor, tokens: int
 ) -> Iterator[tuple[Worker, list[Any], list[Any]]]:
-    """4 streamed and 4 collected requests of ``max_tokens`` in flight, every stream under way
-    (its first token sent), the worker frozen: by construction, not by speed. The worker is
-    frozen while they are admitted (none can end first, so all 8 are in flight), let go until
-    every stream has its first token (all 8 are then in the engine's batch), and frozen again
-    a few milliseconds later, ``max_tokens`` - 1 tokens before any could end. Yields the worker
-    (thawed on leaving), the streams' and the collected requests' futures."""
+    """4 streamed and 4 collected requests of ``tokens`` in flight, every stream under way (its
+    first token sent), the worker frozen: by construction, not by speed. The worker is frozen
+    while they are admitted and handed to the engine (none can end first, so all 8 get there),
+    let go until every stream has its first token (all 8 are then in the engine's batch, not in
+    its input queue, where a signal would have it refuse them), and frozen again a step or two
+    later, ``tokens`` - 1 steps before any could end. Yields the worker (thawed on leaving), the
+    streams' and the collected requests' futures."""
+    # A fresh engine asks its worker which tasks it supports at its first request: not frozen.
+    assert _collected(c, 1).status_code == 200
     worker = Worker(srv)
     worker.freeze()
     try:
-        started = [threading.Event() for _ in range(4)]
-        streams = [pool.submit(_timed, _stream, c, max_tokens, e) for e in started]
-        collected = [pool.submit(_timed, _collected, c, max_tokens) for _ in range(4)]
+        started, streams, collected = _submit(c, pool, tokens)
         _in_flight(c, 8, streams + collected)
         worker.thaw()
         for e in started:
             assert e.wait(120), "a stream never started"
         worker.freeze()
-        ended = [f.result() for f in streams + collected if f.done()]
-        assert not ended, f"a request ended while the worker ran: {ended[0]}"
+        _none_ended(streams + collected)
         yield worker, streams, collected
     finally:
         worker.thaw()
@@ -340,7 +372,7 @@ def test_cli_serve_multiprocess_group_sigint_drains(
             refused = _refused_soon(srv.url)
             for f in streams:
                 (status, lines), done = f.result(300)
-                assert status == 200 and _completed(lines, 1000), lines[-3:]
+                assert status == 200 and _completed(lines, 1000), lines[-2:]
                 assert done > signalled
             for f in collected:
                 r, done = f.result(300)
@@ -398,7 +430,7 @@ def test_dead_engine_fails_health_and_exits_non_zero(
 
 @pytest.mark.parametrize("stop", ["deadline", "second signal"])
 def test_d2_drain_deadline_or_second_signal_answers_every_request(
-    tiny_llama: Path, tmp_path: Path, stop: str
+    long_llama: Path, tmp_path: Path, stop: str
 ) -> None:
     """Issue 21, defect 2: 8 requests in flight (4 streamed, 4 collected) when SIGTERM reaches
     the group, and they cannot finish (the worker is frozen) before --drain-seconds (1 s), or a
@@ -406,9 +438,10 @@ def test_d2_drain_deadline_or_second_signal_answers_every_request(
     format, each stream ends with an error event and [DONE]; the exit status is 1, the log says
     8 were dropped, no traceback, no process left."""
     drain = "1" if stop == "deadline" else "300"
-    with serving(tiny_llama, tmp_path, STEERSERVE_DRAIN_SECONDS=drain) as srv:
+    env = {"STEERSERVE_DRAIN_SECONDS": drain, "STEERSERVE_MAX_MODEL_LEN": "8192"}
+    with serving(long_llama, tmp_path, **env) as srv:
         c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=120)
-        with c, ThreadPoolExecutor(8) as pool, under_way(srv, c, pool, 1000) as flight:
+        with c, ThreadPoolExecutor(8) as pool, under_way(srv, c, pool, LONG) as flight:
             worker, streams, collected = flight
             assert srv.proc is not None
             os.killpg(srv.proc.pid, signal.SIGTERM)

@@ -43,6 +43,12 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("steerserve_engine_ready", "1 once the engine is loaded.", registry=r)
+        self.engine_requests = Gauge(
+            "steerserve_engine_requests",
+            "Requests handed to the engine and not finished (vLLM's unfinished requests): the "
+            "queue gauge minus those still being admitted or already answered.",
+            registry=r,
+        )
         ab = ["experiment", "arm"]  # arm: steered | unsteered | unenrolled
         self.ab_requests = Counter(
             "steerserve_ab_requests",
