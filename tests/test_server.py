@@ -4,17 +4,20 @@ a tiny two-intervention artifact, reached with the official ``openai`` client an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
@@ -830,44 +833,136 @@ def _wait(cond: Any, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
+def engine_family(backend: Any) -> list[psutil.Process]:
+    """EngineCore and its children: a process of its own even with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the server's ``AsyncLLM`` always runs it apart)."""
+    from steerserve.server.engine_exit import engine_processes
+
+    cores = [psutil.Process(p.pid) for p in engine_processes(backend.llm)]
+    assert cores, "no EngineCore process"
+    return [q for p in cores for q in (p, *p.children(recursive=True))]
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs if sig == signal.SIGSTOP else reversed(procs):
+        if p.is_running():
+            p.send_signal(sig)
+
+
+@contextlib.contextmanager
+def frozen(backend: Any) -> Iterator[None]:
+    """The engine stopped with SIGSTOP: the server admits requests (counted in flight) and
+    hears hang-ups, but no request can produce a token, whatever the machine's speed."""
+    family = engine_family(backend)
+    signal_all(family, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        signal_all(family, signal.SIGCONT)
+
+
+def wrap_generate(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: Any,
+    on_first: Callable[[], None] = lambda: None,
+    before_rest: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Wrap the backend's ``generate`` (the server's one way to the engine): ``on_first()`` runs
+    when a request's first output comes, before the server gets it; ``before_rest()`` is awaited
+    before the server may read the next. Closing the wrapper closes (aborts) the request."""
+    real = backend.generate
+
+    def generate(*args: Any, **kw: Any) -> AsyncIterator[Any]:
+        gen = real(*args, **kw)
+
+        async def wrapped() -> AsyncIterator[Any]:
+            try:
+                try:
+                    first = await anext(gen)
+                except StopAsyncIteration:
+                    return
+                on_first()
+                yield first
+                if before_rest is not None:
+                    await before_rest()
+                async for out in gen:
+                    yield out
+            finally:
+                await gen.aclose()
+
+        return wrapped()
+
+    monkeypatch.setattr(backend, "generate", generate)
+
+
+def test_stream_disconnect_aborts(
+    server: Server, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that hangs up after the first event of a 450-token stream: a 499, the request
+    aborted (fewer than 450 tokens sent), none left queued. The engine is frozen from the
+    request's first output until the hang-up is settled, so the answer cannot finish first,
+    however fast the machine (nor however slowly the hang-up is noticed)."""
     engine = server.app.state.steer.backend
+    family = engine_family(engine)
+    wrap_generate(monkeypatch, engine, on_first=lambda: signal_all(family, signal.SIGSTOP))
     before_499 = metric(http, "steerserve_requests_total", endpoint="chat", status="499")
     before_tok = metric(http, "steerserve_tokens_total", arm="unsteered", kind="completion")
     body = chat_body("hi", stream=True, max_tokens=450, steering=False)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():  # the first event, then hang up
-                if line.startswith("data: {"):
-                    break
-    t0 = time.monotonic()
-    assert _wait(lambda: engine.in_flight() == 0, 5), "generation still running"
-    took = time.monotonic() - t0
-    assert _wait(
-        lambda: (
-            metric(http, "steerserve_requests_total", endpoint="chat", status="499")
-            == before_499 + 1
+    try:
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():  # the first event, then hang up
+                    if line.startswith("data: {"):
+                        break
+        assert _wait(lambda: engine.in_flight() == 0, 60), "generation still running"
+        assert _wait(
+            lambda: (
+                metric(http, "steerserve_requests_total", endpoint="chat", status="499")
+                == before_499 + 1
+            ),
+            60,
         )
-    )
+    finally:
+        signal_all(family, signal.SIGCONT)
     generated = metric(http, "steerserve_tokens_total", arm="unsteered", kind="completion")
-    assert 0 < generated - before_tok < 450, (generated - before_tok, took)
+    assert 0 < generated - before_tok < 450, generated - before_tok
     assert metric(http, "steerserve_queue_depth") == 0
 
 
 def test_non_stream_disconnect_aborts(server: Server, http: httpx.Client) -> None:
+    """A client that hangs up while its 480-token completion is in flight: a 499, the request
+    aborted. The engine is frozen meanwhile, so the answer cannot come first, however fast the
+    machine; the hang-up comes once the server holds the request, however slow."""
     engine = server.app.state.steer.backend
     before = metric(http, "steerserve_requests_total", endpoint="completions", status="499")
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
-    assert _wait(lambda: engine.in_flight() == 0, 5)
-    assert _wait(
-        lambda: (
-            metric(http, "steerserve_requests_total", endpoint="completions", status="499")
-            == before + 1
+    # One answered first: AsyncLLM asks EngineCore for its tasks at its first request (then
+    # caches them), which a frozen engine would never answer.
+    assert http.post("/v1/completions", json=body | {"max_tokens": 1}).status_code == 200
+
+    async def hang_up_in_flight() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            call = asyncio.create_task(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while engine.in_flight() == 0:
+                assert not call.done(), call.result()
+                assert time.monotonic() < deadline, "the request never reached the engine"
+                await asyncio.sleep(0.02)
+            call.cancel()  # hang up
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+
+    with frozen(engine):
+        asyncio.run(hang_up_in_flight())
+        assert _wait(lambda: engine.in_flight() == 0, 60)
+        assert _wait(
+            lambda: (
+                metric(http, "steerserve_requests_total", endpoint="completions", status="499")
+                == before + 1
+            ),
+            60,
         )
-    )
 
 
 def test_metrics_move(http: httpx.Client) -> None:
@@ -1077,6 +1172,7 @@ def test_corrupt_artifact_refuses_start(
 LAYERS = (
     "app", "guard", "pipeline", "streaming", "flight", "enrolment", "state", "endpoints", "events",
     "logprobs", "policy", "backend", "drain", "protocol", "answers", "errors", "steering", "metrics",
+    "defaults",
 )  # fmt: skip
 
 
