@@ -42,34 +42,45 @@ def read_log(path: str | Path) -> list[Row]:
     return scan_log(path)[0]
 
 
-def scan_log(path: str | Path) -> tuple[list[Row], int]:
+@dataclass
+class Ignored:
+    """The lines of a log the report does not stand on, by why: every one is counted."""
+
+    unreadable: int = 0  # not JSON (a torn line), wrong field types, a score out of range
+    orphan_feedback: int = 0  # a score for an id with no decision line in the log
+
+    @property
+    def total(self) -> int:
+        return self.unreadable + self.orphan_feedback
+
+
+def scan_log(path: str | Path) -> tuple[list[Row], Ignored]:
     """Decisions joined with their feedback by completion id (an answer's last score counts),
-    and how many lines were skipped as unreadable: not JSON (a torn last line after a crash),
-    or a record whose fields have the wrong types or a score outside the server's range."""
+    and the lines ignored: unreadable ones (not JSON, a torn last line included; a record whose
+    fields have the wrong types or a score outside the server's range) and feedback for an id
+    with no decision in the log (its decision line was lost)."""
     rows: dict[str, Row] = {}
-    scores: dict[str, float] = {}
-    skipped = 0
+    scores: dict[str, list[float]] = {}
+    ignored = Ignored()
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if not line.strip():
-                continue
             try:
                 rec = json.loads(line)
             except (ValueError, RecursionError):
-                if not line.endswith("\n"):
-                    continue  # a torn last line after a crash: expected, not counted
                 rec = None
             kind = rec.get("type") if isinstance(rec, dict) else None
             if kind == "decision" and (row := _decision(rec)) is not None:
                 rows[row.id] = row
             elif kind == "feedback" and (score := _score(rec)) is not None:
-                scores[rec["id"]] = score
+                scores.setdefault(rec["id"], []).append(score)
             else:
-                skipped += 1
-    for rid, s in scores.items():
+                ignored.unreadable += 1
+    for rid, given in scores.items():
         if rid in rows:
-            rows[rid].score = s
-    return list(rows.values()), skipped
+            rows[rid].score = given[-1]
+        else:
+            ignored.orphan_feedback += len(given)
+    return list(rows.values()), ignored
 
 
 def _decision(rec: dict[str, Any]) -> Row | None:
@@ -170,13 +181,19 @@ def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
     }
 
 
-def build_report(rows: Sequence[Row], min_n: int = MIN_SCORED, skipped: int = 0) -> dict[str, Any]:
+def build_report(
+    rows: Sequence[Row], min_n: int = MIN_SCORED, ignored: Ignored | None = None
+) -> dict[str, Any]:
     """The report of every experiment in ``rows``, overall and per detected language
-    (``skipped``: unreadable lines of the log, said in the report)."""
+    (``ignored``: the log's lines it does not stand on, said in the report; ``skipped_lines``
+    is their total)."""
+    ignored = ignored or Ignored()
     enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
     out: dict[str, Any] = {
         "requests": len(rows),
-        "skipped_lines": skipped,
+        "skipped_lines": ignored.total,
+        "unreadable_lines": ignored.unreadable,
+        "orphan_feedback_lines": ignored.orphan_feedback,
         "not_enrolled": len(rows) - len(enrolled),
         "min_scored_per_arm": min_n,
         "experiments": {},
@@ -224,8 +241,8 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         f"explicit steering, or no experiment). A winner needs {rep['min_scored_per_arm']} "
         "scored replies per arm and a 95 % CI of the difference that excludes 0.",
     ]
-    if rep.get("skipped_lines"):
-        lines += ["", f"{rep['skipped_lines']} unreadable line(s) of the log skipped."]
+    if note := ignored_note(rep):
+        lines += ["", f"{note}."]
     if not rep["experiments"]:
         lines += ["", "No enrolled requests in this log."]
     for name, exp in rep["experiments"].items():
@@ -246,11 +263,23 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ignored_note(rep: Mapping[str, Any]) -> str | None:
+    """What the report left out of the log and why, or None: the log needs a look when any."""
+    if not rep.get("skipped_lines"):
+        return None
+    why = []
+    if n := rep.get("unreadable_lines"):
+        why.append(f"{n} unreadable line(s)")
+    if n := rep.get("orphan_feedback_lines"):
+        why.append(f"{n} feedback line(s) for an answer with no decision in the log")
+    return f"{rep['skipped_lines']} line(s) of the log skipped: {', '.join(why)}"
+
+
 def report(path: str | Path, min_n: int = MIN_SCORED) -> dict[str, Any]:
     """The report of the decision log at ``path``: what ``steerserve ab-report`` prints and the
     server's ``/experiments`` page shows (one code path for both)."""
-    rows, skipped = scan_log(path)
-    return build_report(rows, min_n=min_n, skipped=skipped)
+    rows, ignored = scan_log(path)
+    return build_report(rows, min_n=min_n, ignored=ignored)
 
 
 #: The formats :func:`render` writes, and their media types.

@@ -290,6 +290,29 @@ def fingerprint_model(model_dir: str | Path) -> Fingerprint:
     )
 
 
+def embedding_norm(model_dir: str | Path) -> float:
+    """The typical norm of the residual stream's input: the median norm of the same spread rows
+    of the token embeddings the fingerprint reads (all columns), times Gemma's sqrt(hidden_size)
+    (its models scale embeddings by it). Read from disk once per scan: no forward pass."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = _read_config(model_dir)
+    text = cfg.get("text_config") or cfg
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as s:
+            names = [k for k in s.keys() if k.endswith("embed_tokens.weight")]
+            if names:
+                sl = s.get_slice(min(names, key=lambda k: (k != "model.embed_tokens.weight", k)))
+                rows = torch.cat([sl[r : r + 1, :] for r in _embedding_rows(sl.get_shape()[0])])
+                break
+    else:
+        raise ArtifactError(f"model {str(model_dir)!r}: no *embed_tokens.weight in *.safetensors")
+    norm = float(rows.float().norm(dim=1).median())
+    gemma = str(text.get("model_type") or cfg.get("model_type") or "").startswith("gemma")
+    return norm * math.sqrt(int(text["hidden_size"])) if gemma else norm
+
+
 def fingerprint_hf_model(model: Any) -> Fingerprint:
     """Same fingerprint for an in-memory transformers model (bind before saving anything)."""
     cfg = model.config.to_dict()
@@ -522,12 +545,14 @@ class Scanned:
     artifact: Artifact | None = None
     refused: str | None = None
     other_model: bool = False
+    embedding_norm: float | None = None  # the model's (:func:`embedding_norm`), for vetting
 
 
 def scan_artifacts(root: str | Path, model_dir: str | Path) -> list[Scanned]:
     """Every artifact directory under ``root``, loaded and verified for this model (name and
     version from its manifest, or from its path when the manifest is unreadable)."""
     expect = binding_for_model(model_dir)
+    reference = embedding_norm(model_dir)
     out = []
     for p in find_artifacts(root):
         rel = p.relative_to(root).parts if p != Path(root) else ()
@@ -537,7 +562,8 @@ def scan_artifacts(root: str | Path, model_dir: str | Path) -> list[Scanned]:
             continue
         try:
             art = load_artifact(p, expect=expect)
-            out.append(Scanned(p, art.manifest.name, art.manifest.version, art))
+            meta = art.manifest
+            out.append(Scanned(p, meta.name, meta.version, art, embedding_norm=reference))
             continue
         except ModelMismatch as e:
             refused, other = str(e), True

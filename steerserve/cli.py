@@ -63,6 +63,14 @@ def serve(
     max_num_seqs: int = typer.Option(
         64, envvar="STEERSERVE_MAX_NUM_SEQS", help="Most requests batched at once."
     ),
+    max_seqs_per_request: int = typer.Option(
+        None,
+        envvar="STEERSERVE_MAX_SEQS_PER_REQUEST",
+        help="Most sequences one request may run: prompts x n, the A/B endpoint's two arms "
+        "counted twice; more is refused (400). Default: half of --max-num-seqs, so one request "
+        "never holds every seat and a later one starts at the engine's next step.",
+        show_default=False,
+    ),
     tensor_parallel_size: int = typer.Option(
         1, envvar="STEERSERVE_TENSOR_PARALLEL_SIZE", help="GPUs per model replica (TP)."
     ),
@@ -159,6 +167,7 @@ def serve(
         max_num_seqs, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
         enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
+        max_seqs_per_request,
     )  # fmt: skip
     try:
         settings = so.settings(opts)
@@ -179,7 +188,7 @@ def ab_report(
 ) -> None:
     """Who won the server's A/B experiment: per arm and detected language, requests, mean
     feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95."""
-    from steerserve.ab_report import report, report_markdown, write_report
+    from steerserve.ab_report import ignored_note, report, report_markdown, write_report
 
     if not log.is_file():
         raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
@@ -189,8 +198,8 @@ def ab_report(
     typer.echo(report_markdown(rep), nl=False)
     if out is not None:
         typer.echo(f"\nwrote {write_report(rep, out)} (+ report.json, report.png)")
-    if rep["skipped_lines"]:  # the report stands on the rest, but the log needs a look
-        typer.echo(f"{rep['skipped_lines']} unreadable line(s) of {log} skipped", err=True)
+    if note := ignored_note(rep):  # the report stands on the rest, but the log needs a look
+        typer.echo(f"{log}: {note}", err=True)
         raise typer.Exit(1)
 
 

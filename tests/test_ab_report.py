@@ -110,3 +110,31 @@ def test_d7_corrupted_lines_are_skipped_counted_and_the_report_stays_json(tmp_pa
 
 def _refuse(name: str) -> None:
     raise AssertionError(f"{name} in report.json")
+
+
+def test_every_ignored_line_is_counted_torn_lines_and_orphan_feedback_too(tmp_path: Path) -> None:
+    """Issue 33: a torn last line and feedback for an answer with no decision line in the log
+    (the line was lost) are counted and named, not dropped without a word; ``ab-report`` exits
+    1 on them; the scores that do join are the ones reported."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    path = tmp_path / "ab.jsonl"
+    _log(path, 40, 0.7, 0.5)  # ends in a torn line
+    with open(path, "a") as f:  # the torn line ended by the next one, as the server does
+        f.write("\n" + json.dumps({"type": "feedback", "id": "chatcmpl-lost", "score": 1}))
+        f.write("\n" + json.dumps({"type": "feedback", "id": "chatcmpl-lost", "score": -1}) + "\n")
+    out = CliRunner().invoke(app, ["ab-report", str(path), "--out", str(tmp_path / "r")])
+    assert out.exit_code == 1, out.output
+    note = "3 line(s) of the log skipped: 1 unreadable line(s), 2 feedback line(s) for an answer"
+    assert note in out.output, out.output
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert (rep["skipped_lines"], rep["unreadable_lines"], rep["orphan_feedback_lines"]) == (
+        3,
+        1,
+        2,
+    )
+    assert rep["requests"] == 41
+    arms = rep["experiments"]["e1"]["overall"]["arms"]
+    assert arms["steered"]["score"]["n"] + arms["unsteered"]["score"]["n"] == 40

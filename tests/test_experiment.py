@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from steerserve.server.experiment import DecisionLog, Decisions, Experiment, LogUnwritable
+from steerserve.server.experiment import DecisionLog, DecisionNotLogged, Decisions, Experiment
 
 
 def test_assignment_is_sticky_balanced_and_reshuffled_by_name() -> None:
@@ -75,6 +75,6 @@ def test_full_disk_is_counted_not_raised(caplog: pytest.LogCaptureFixture) -> No
     assert d.record("b", {"arm": "steered"}) is False
     assert log.failures == 2
     assert sum("write failed" in r.message for r in caplog.records) == 1  # logged once
-    with pytest.raises(LogUnwritable):  # still remembered, but a lost score is said, not hidden
+    with pytest.raises(DecisionNotLogged):  # never logged: a score for it could never be joined
         d.feedback("a", 1.0)
-    assert log.failures == 3
+    assert log.failures == 2  # nothing written, nothing more lost

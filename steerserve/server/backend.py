@@ -11,6 +11,7 @@ import asyncio
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -175,10 +176,18 @@ class Backend:
         copies: int = 1,
     ) -> AsyncGenerator[Any, None]:
         """Stream ``RequestOutput``s (each sample repeated ``copies`` times); closing or
-        cancelling the generator aborts the request."""
+        cancelling the generator aborts the request. A steered request is computed with
+        logprobs (at least the top one) and fails with a 500 when a distribution is degenerate
+        (:func:`_checked`); logprobs the client did not ask for are dropped."""
+        asked = params.logprobs
+        if prepared.steered and not asked:
+            params = copy.copy(params)
+            params.logprobs = 1
         gen = self.llm.generate(
             make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
         )
+        if prepared.steered:
+            gen = _checked(gen, self.vocab_size, keep=asked is not None)
         return gen if copies == 1 else _repeated(gen, copies)
 
     def in_flight(self) -> int:
@@ -222,6 +231,43 @@ async def _repeated(gen: AsyncGenerator[Any, None], n: int) -> AsyncGenerator[An
         async for out in gen:
             out = copy.copy(out)
             out.outputs = [dataclasses.replace(o, index=i) for o in out.outputs for i in range(n)]
+            yield out
+    finally:
+        await gen.aclose()
+
+
+#: How far above -ln(vocabulary) (nats) a most likely token's logprob must be: at it, every token
+#: is equally likely, which no trained model predicts but a destroyed residual stream gives (all
+#: logits equal: RMSNorm of an overflowed stream is zero) and NaN logits compare below it.
+UNIFORM_MARGIN = 1e-3
+
+
+async def _checked(
+    gen: AsyncGenerator[Any, None], vocab: int, keep: bool
+) -> AsyncGenerator[Any, None]:
+    """``gen``'s outputs, failing with a 500 naming ``steering`` at a degenerate next-token
+    distribution (uniform or NaN): a steered request must never be a 200 with garbage or empty
+    text. The server's fault, not the client's: every vector it serves was vetted at load to
+    fit the model at any admitted scale. ``keep``: the client asked for the logprobs."""
+    floor = -math.log(vocab) + UNIFORM_MARGIN
+    try:
+        async for out in gen:
+            for o in out.outputs:
+                if any(not max(lp.logprob for lp in d.values()) > floor for d in o.logprobs or ()):
+                    logger.error(
+                        "request %s: steering made a degenerate distribution", out.request_id
+                    )
+                    raise ApiError(
+                        "steering: the steered model's next-token distribution came out "
+                        "degenerate (uniform or NaN): a steering vector overwhelms the model",
+                        status=500,
+                        type="server_error",
+                        param="steering",
+                        code="steering_degenerate",
+                    )
+            if not keep:
+                out = copy.copy(out)
+                out.outputs = [dataclasses.replace(o, logprobs=None) for o in out.outputs]
             yield out
     finally:
         await gen.aclose()

@@ -38,6 +38,11 @@ class Endpoint:
     def admit(self, req: Any) -> None:
         """Refusals and defaults of this endpoint, before anything is tokenized."""
 
+    def sequences(self, req: Any) -> tuple[int, str, str]:
+        """How many sequences the request runs, the product that gives it, and the field to
+        lower: checked against the server's cap before anything is tokenized."""
+        return req.n, f"n {req.n}", "n"
+
     def size(self, req: Any) -> tuple[int, int, str]:
         """(characters of text, token ids) of the largest prompt, and its field: checked
         against the context before anything is tokenized."""
@@ -122,6 +127,9 @@ class ABChat(Chat):
         if req.seed is None:
             req.seed = random.randrange(2**31)  # both arms sample with the same seed
 
+    def sequences(self, req: P.ChatCompletionRequest) -> tuple[int, str, str]:
+        return 2 * req.n, f"n {req.n} × 2 arms", "n"
+
     def answer(
         self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
     ) -> BaseModel:
@@ -144,6 +152,15 @@ class Completions(Endpoint):
     def admit(self, req: P.CompletionRequest) -> None:
         if req.echo and req.logprobs is not None:
             raise ApiError("echo: cannot be combined with logprobs", param="echo")
+        p = _prompt_list(req)
+        if not p:
+            raise ApiError("prompt: must not be empty", param="prompt")
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
+
+    def sequences(self, req: P.CompletionRequest) -> tuple[int, str, str]:
+        count = len(_prompt_list(req))
+        return count * req.n, f"{count} prompts × n {req.n}", "n" if req.n > 1 else "prompt"
 
     def size(self, req: P.CompletionRequest) -> tuple[int, int, str]:
         p = _prompt_list(req)
@@ -154,10 +171,6 @@ class Completions(Endpoint):
         """Token ids and texts of ``prompt`` (a string, strings, ids or lists of ids); ids are
         checked against the vocabulary before anything decodes them."""
         p = _prompt_list(req)
-        if not p:
-            raise ApiError("prompt: must not be empty", param="prompt")
-        if len(p) > MAX_PROMPTS:
-            raise ApiError(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
         if isinstance(p[0], str):
             try:
                 ids = [list(tokenizer.encode(t)) for t in p]
@@ -192,6 +205,19 @@ class Completions(Endpoint):
                     )
                 )
         return A.Completion(choices=choices, **arm.fields(req.model))
+
+
+def check_sequences(ep: Endpoint, req: Any, cap: int) -> None:
+    """A 400 naming the field to lower when the request runs more than ``cap`` sequences: each
+    field has its own bound, but their product decides how long the engine is held."""
+    count, product, param = ep.sequences(req)
+    if count > cap:
+        raise ApiError(
+            f"{param}: {product} = {count} sequences; this server runs at most {cap} per "
+            "request (--max-seqs-per-request): lower n or split the prompts over requests",
+            param=param,
+            code="too_many_sequences",
+        )
 
 
 def _prompt_list(req: P.CompletionRequest) -> list[Any]:

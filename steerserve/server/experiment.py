@@ -9,10 +9,13 @@ line is ever rewritten.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +44,10 @@ MAX_FEEDBACK_PER_ID = 5
 
 class FeedbackLimit(Exception):
     """An answer's feedback was given :data:`MAX_FEEDBACK_PER_ID` times already."""
+
+
+class DecisionNotLogged(Exception):
+    """An answer whose decision line the log refused: a score for it could never be joined."""
 
 
 class LogUnwritable(Exception):
@@ -112,8 +119,9 @@ class Experiment:
 
 
 class DecisionLog:
-    """Append-only JSONL of decisions and feedback. A write that fails (full disk) never fails
-    the request: it is counted in ``failures`` and logged once, not per request."""
+    """Append-only JSONL of decisions and feedback, written by one process (each replica its own
+    file). A line is in the log whole or not at all: a write that fails (full disk) never fails
+    the request; it leaves nothing behind, is counted in ``failures`` and logged once."""
 
     def __init__(
         self,
@@ -126,28 +134,34 @@ class DecisionLog:
         self.on_failure = on_failure  # e.g. a metric's increment
         self.failures = 0
         self._warned = False
+        self._torn = False  # the file ends mid-line (a crash, a cut that failed): end it first
         self._lock = threading.Lock()
-        self._file: Any = None
+        self._fd: int | None = None
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._torn = _ends_mid_line(self.path)
             except OSError as e:
                 raise ValueError(f"--ab-log: cannot write {str(self.path)!r}: {e}") from None
 
     @property
     def enabled(self) -> bool:
-        return self._file is not None
+        return self._fd is not None
 
     def write(self, record: dict[str, Any]) -> bool:
-        """Append one line; False (counted, logged once) when the write failed."""
-        if self._file is None:
+        """Append one line, whole; False (counted, logged once) when it is not in the log."""
+        if self.path is None:
             return True
         line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        # a lone surrogate (JSON allows one in a string) as its \u escape: the same JSON
+        data = line.encode("utf-8", "backslashreplace")
         with self._lock:
             try:
-                self._file.write(line)
-                self._file.flush()
+                if self._fd is None:
+                    raise OSError(errno.EBADF, "the log is closed")
+                self._append(self._fd, b"\n" + data if self._torn else data)
+                self._torn = False
                 return True
             except OSError as e:
                 self.failures += 1
@@ -160,14 +174,32 @@ class DecisionLog:
                     )
                 return False
 
+    def _append(self, fd: int, data: bytes) -> None:
+        """``data`` at the end of the file unbuffered (nothing left to turn up later), or none of
+        it: a short write (the disk filled mid-line) is cut back to where the line began."""
+        done = 0
+        try:
+            while done < len(data):
+                n = os.write(fd, data[done:])
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += n
+        except OSError:
+            if done:
+                try:
+                    os.ftruncate(fd, os.fstat(fd).st_size - done)
+                except OSError:
+                    self._torn = True
+            raise
+
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
+            if self._fd is not None:
                 try:
-                    self._file.close()
+                    os.close(self._fd)
                 except OSError:
                     pass
-                self._file = None
+                self._fd = None
 
     def known_ids(self) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, int]]:
         """(id, decision) of the decisions already in the log, and how many scores each id got
@@ -190,12 +222,26 @@ class DecisionLog:
         return out[-MAX_REMEMBERED:], scored
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the regular file's last byte is not a newline (a line torn by a crash)."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        return False  # a pipe or a device: nothing to read back
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 class Decisions:
-    """The completion ids this server answered (bounded), so feedback can be checked and joined."""
+    """The completion ids this server answered and logged (bounded), so feedback can be checked
+    and joined; and those whose decision line was lost, so their feedback is refused, not logged
+    for a decision the report will never see."""
 
     def __init__(self, log: DecisionLog) -> None:
         self.log = log
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._lost: OrderedDict[str, None] = OrderedDict()
         self._scored: dict[str, int] = {}  # scores given per remembered id
         self._lock = threading.Lock()
         known, scored = log.known_ids()
@@ -210,14 +256,24 @@ class Decisions:
                 old, _ = self._seen.popitem(last=False)
                 self._scored.pop(old, None)
 
+    def _forget(self, rid: str) -> None:
+        """``rid``'s decision is not in the log (its line was lost)."""
+        with self._lock:
+            self._lost[rid] = None
+            while len(self._lost) > MAX_REMEMBERED:
+                self._lost.popitem(last=False)
+
     def record(self, rid: str, decision: dict[str, Any]) -> bool:
-        """Remember and log one answered request; False if the log write failed."""
+        """Log one answered request and remember it for feedback; False if its line was lost."""
         rec = {"type": "decision", "ts": round(time.time(), 3), "id": rid, **decision}
         if not self.log.content:
             rec.pop("prompt", None)
             rec.pop("reply", None)
+        if not self.log.write(rec):
+            self._forget(rid)
+            return False
         self._remember(rid, rec)
-        return self.log.write(rec)
+        return True
 
     def get(self, rid: str) -> dict[str, Any] | None:
         with self._lock:
@@ -225,12 +281,15 @@ class Decisions:
 
     def feedback(self, rid: str, score: float) -> dict[str, Any]:
         """Append feedback for a known id; the last of an id's scores counts. ``KeyError``:
-        unknown id; ``ValueError``: bad score; :class:`FeedbackLimit`: too many for this id;
-        :class:`LogUnwritable`: the line was not written (the score is lost, so say so)."""
+        unknown id; :class:`DecisionNotLogged`: its decision line was lost; ``ValueError``: bad
+        score; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line was
+        not written (the score is lost, so say so)."""
         score = check_score(score)
         known = self.get(rid)
         if known is None:
-            raise KeyError(rid)
+            with self._lock:
+                lost = rid in self._lost
+            raise DecisionNotLogged(rid) if lost else KeyError(rid)
         with self._lock:
             if self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
                 raise FeedbackLimit(rid)

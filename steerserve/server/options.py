@@ -56,6 +56,7 @@ class ServeOptions:
     ab_name: str = "default"
     ab_log: str | None = None
     ab_log_content: bool = False
+    max_seqs_per_request: int | None = None  # None: half of max_num_seqs (defaults.py)
 
 
 def check_experiment(split: float, name: str, log: str | None) -> None:
@@ -68,6 +69,16 @@ def check_experiment(split: float, name: str, log: str | None) -> None:
     except ValueError as e:
         option = str(e).split(":", 1)[0]
         raise OptionError(str(e).split(": ", 1)[-1], option) from None
+
+
+def check_seqs_per_request(cap: int | None, max_num_seqs: int) -> None:
+    """A cap from 1 to the engine's seats: above it, one request could hold every seat and
+    everyone behind it would wait for all of it."""
+    if cap is not None and not 1 <= cap <= max_num_seqs:
+        raise OptionError(
+            f"must be between 1 and --max-num-seqs ({max_num_seqs}), not {cap}",
+            "--max-seqs-per-request",
+        )
 
 
 def _model_dir(model: str) -> Path:
@@ -88,6 +99,7 @@ def settings(opts: ServeOptions) -> ServerSettings:
     if opts.steering not in MODES:
         raise OptionError(f"--steering must be off, on or auto, not {opts.steering!r}", None)
     check_experiment(opts.ab_split, opts.ab_name, opts.ab_log)
+    check_seqs_per_request(opts.max_seqs_per_request, opts.max_num_seqs)
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -97,6 +109,7 @@ def settings(opts: ServeOptions) -> ServerSettings:
         served_model_name=opts.served_model_name,
         api_key=opts.api_key or None,
         steering=opts.steering,
+        max_seqs_per_request=opts.max_seqs_per_request,
         drain_seconds=opts.drain_seconds,
         keep_alive_seconds=opts.keep_alive_seconds,
         host=opts.host,

@@ -26,7 +26,8 @@ from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
 from steerserve.server.answers import ExperimentInfo, SteeringInfo, Usage
 from steerserve.server.backend import copies
-from steerserve.server.endpoints import Endpoint
+from steerserve.server.defaults import seqs_per_request
+from steerserve.server.endpoints import Endpoint, check_sequences
 from steerserve.server.enrolment import decide, enrol
 from steerserve.server.errors import ApiError
 from steerserve.server.events import ArmOutput
@@ -63,6 +64,10 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     req = await read_request(request, ep.schema, state.settings.max_body_bytes)
     check(state, req.model)
     ep.admit(req)
+    settings = state.settings
+    check_sequences(
+        ep, req, seqs_per_request(settings.engine.max_num_seqs, settings.max_seqs_per_request)
+    )
     backend = state.backend
     backend.check_size(*ep.size(req))
     prompts = await backend.off_loop(ep.prompts, req, backend.tokenizer, backend.vocab_size)

@@ -27,6 +27,7 @@ from steerserve.server.experiment import (
     MAX_FEEDBACK_PER_ID,
     STEERED,
     DecisionLog,
+    DecisionNotLogged,
     Decisions,
     Experiment,
     FeedbackLimit,
@@ -50,6 +51,7 @@ class ServerSettings:
     api_key: str | None = None
     steering: str = DEFAULT_MODE  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
+    max_seqs_per_request: int | None = None  # None: defaults.seqs_per_request's
     drain_seconds: int = DRAIN_SECONDS  # on SIGTERM/SIGINT: how long in-flight requests may finish
     keep_alive_seconds: int = KEEP_ALIVE_SECONDS  # idle HTTP connections (see defaults.py)
     request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
@@ -75,6 +77,7 @@ class ServerState:
         )
         self.detector = LanguageDetector()
         self.metrics = Metrics()
+        self.metrics.engine_requests.set_function(self.backend.in_flight)
         exp = Experiment(settings.ab_name, settings.ab_split)  # ValueError naming the option
         self.experiment = exp if exp.enabled else None
         log = DecisionLog(
@@ -208,6 +211,14 @@ class ServerState:
                 status=404,
                 param="id",
                 code="decision_not_found",
+            ) from None
+        except DecisionNotLogged:  # 409, not 503: a retry cannot bring the lost decision back
+            raise ApiError(
+                f"id: {rid!r} was answered, but its decision line could not be written to the "
+                "decision log (a full disk), so a score for it could never be joined",
+                status=409,
+                param="id",
+                code="decision_not_logged",
             ) from None
         except ValueError as e:
             raise ApiError(str(e), param="score") from None
