@@ -4,6 +4,7 @@ with the ``steering`` that was applied, and the listings of models and vectors."
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -45,16 +46,30 @@ class SteeringInfo(BaseModel):
         return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"))
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache, as vLLM's server reports them
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
+    def of(cls, prompt: int, completion: int, cached: int | None = None) -> Usage:
+        details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
         return cls(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
         )
+
+
+def cached_tokens(outputs: Iterable[Any]) -> int:
+    """Prompt tokens the engine read from its prefix cache, over ``RequestOutput``s."""
+    return sum(o.num_cached_tokens or 0 for o in outputs if o is not None)
 
 
 class TopLogprob(BaseModel):

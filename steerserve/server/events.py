@@ -145,6 +145,7 @@ class ABEvents(Events):
             )
         ]
         self.completion = [0, 0]
+        self.cached = [0, 0]
 
     def head(self) -> Iterator[str]:
         for arm in self.arms:
@@ -152,12 +153,13 @@ class ABEvents(Events):
 
     def step(self, i: int, out: Any) -> Iterator[str]:
         self.completion[i] += sum(len(o.token_ids) for o in out.outputs)
+        self.cached[i] = max(self.cached[i], A.cached_tokens([out]))
         yield from self.arms[i].step(0, out)
 
     def tail(self, usage: A.Usage) -> Iterator[str]:
         prompt = len(self.prompts.ids[0])
-        for arm, n in zip(self.arms, self.completion, strict=True):
-            yield from arm.tail(A.Usage.of(prompt, n))
+        for arm, n, cached in zip(self.arms, self.completion, self.cached, strict=True):
+            yield from arm.tail(A.Usage.of(prompt, n, cached))
 
 
 class CompletionEvents(Events):

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
-from steerserve.server.answers import ExperimentInfo, SteeringInfo, Usage
+from steerserve.server.answers import ExperimentInfo, SteeringInfo, Usage, cached_tokens
 from steerserve.server.backend import copies
 from steerserve.server.defaults import seqs_per_request
 from steerserve.server.endpoints import Endpoint, check_sequences
@@ -217,4 +217,5 @@ async def collect_all(gens: list[list[AsyncGenerator]]) -> list[list[Any]]:
 
 def _usage(outputs: Sequence[Any]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    return Usage.of(prompt, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage.of(prompt, completion, cached_tokens(outputs))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from steerserve.server.answers import Usage
+from steerserve.server.answers import Usage, cached_tokens
 from steerserve.server.backend import engine_error
 from steerserve.server.drain import Drain
 from steerserve.server.events import Prompts, sse
@@ -94,7 +94,7 @@ async def _events(
                     call.experiment.add_replies(i, out)
                 for ev in events.step(i, out):
                     yield ev
-            for ev in events.tail(Usage.of(prompt_tokens, completion)):
+            for ev in events.tail(Usage.of(prompt_tokens, completion, cached_tokens(firsts))):
                 yield ev
             yield DONE
         except Exception as e:
