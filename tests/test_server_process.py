@@ -501,3 +501,38 @@ def test_d11_group_sigterm_leaves_no_process_and_no_shared_memory(
         assert vllm == [], srv.tail()  # EngineCore and worker had exited with the server
         assert srv.survivors(10) == [], srv.tail()
         assert "leaked shared_memory" not in srv.tail(100_000), srv.tail()
+
+
+def test_requests_a_stopping_engine_refuses_are_503_and_counted(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Requests on their way to EngineCore when the group's SIGINT reaches it: a stopping
+    EngineCore refuses new requests with an "abort" finish. Each must be answered 503
+    ``service_unavailable`` (a stream before its first token is a 503 too) and counted as
+    dropped (exit 1), never a 200 with no text (before: 4 lines and ``[DONE]``) or a 500.
+    The whole engine is frozen while they are sent, so none is in its batch when it stops."""
+    with serving(tiny_llama, tmp_path, STEERSERVE_DRAIN_SECONDS="10") as srv:
+        core = srv.engine_core()
+        engine = [core, *core.children(recursive=True)]
+        c = httpx.Client(base_url=srv.url, headers=HEADERS, timeout=120)
+        with c, ThreadPoolExecutor(8) as pool:
+            assert _collected(c, 1).status_code == 200  # the engine's first-request question
+            for p in engine:
+                p.send_signal(signal.SIGSTOP)
+            try:
+                _, streams, collected = _submit(c, pool, 50)
+                _in_flight(c, 8, streams + collected)
+                assert srv.proc is not None
+                os.killpg(srv.proc.pid, signal.SIGINT)
+            finally:
+                for p in engine:
+                    p.send_signal(signal.SIGCONT)
+            for f in streams + collected:
+                r, _ = f.result(120)
+                status, body = (r[0], r[1][-1]) if isinstance(r, tuple) else (r.status_code, r.text)
+                assert status == 503, body
+                assert "service_unavailable" in body, body
+        assert srv.proc.wait(60) == 1, srv.tail()
+        log = srv.tail(100_000)
+        assert "8 request(s) dropped" in log, log[-3000:]
+        assert srv.survivors(30) == [], log[-3000:]

@@ -30,7 +30,7 @@ from steerserve.engine.api import (
     with_steering,
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
-from steerserve.server.drain import GRACE
+from steerserve.server.drain import GRACE, Drain
 from steerserve.server.engine_exit import await_own_stop, engine_processes
 from steerserve.server.errors import ApiError
 from steerserve.server.tokens import Tokens
@@ -186,6 +186,7 @@ class Backend:
         gen = self.llm.generate(
             make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
         )
+        gen = _answered(gen)
         if prepared.steered:
             gen = _checked(gen, self.vocab_size, keep=asked is not None)
         return gen if copies == 1 else _repeated(gen, copies)
@@ -231,6 +232,24 @@ async def _repeated(gen: AsyncGenerator[Any, None], n: int) -> AsyncGenerator[An
         async for out in gen:
             out = copy.copy(out)
             out.outputs = [dataclasses.replace(o, index=i) for o in out.outputs for i in range(n)]
+            yield out
+    finally:
+        await gen.aclose()
+
+
+class EngineAborted(Exception):
+    """The engine ended a request without answering it: one that reaches a stopping EngineCore
+    (after a SIGINT/SIGTERM to the group) is refused with an "abort" finish, which must not
+    reach the client as a 200 with no text."""
+
+
+async def _answered(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    """``gen``'s outputs, raising :class:`EngineAborted` at one the engine aborted (the server's
+    own aborts close the generator instead, so they never show here)."""
+    try:
+        async for out in gen:
+            if any(o.finish_reason == "abort" for o in out.outputs):
+                raise EngineAborted(out.request_id)
             yield out
     finally:
         await gen.aclose()
@@ -289,14 +308,24 @@ def longest_token(tokenizer: Any) -> int:
 # --- errors ------------------------------------------------------------------------------------
 
 
-def engine_error(e: BaseException) -> ApiError:
-    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx)."""
+def engine_error(e: BaseException, drain: Drain | None = None) -> ApiError:
+    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx). A request
+    the engine aborted while the server stops is one the drain dropped (counted: exit 1)."""
     if isinstance(e, BaseExceptionGroup):
-        return engine_error(e.exceptions[0])
+        return engine_error(e.exceptions[0], drain)
     if isinstance(e, ApiError):
         return e
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    if drain is not None and isinstance(e, (EngineAborted, EngineGenerateError, EngineDeadError)):
+        return drain.error()  # the engine stopped with the server, before answering
+    if isinstance(e, EngineAborted):
+        return ApiError(
+            "the engine stopped this request before answering it; retry it",
+            status=503,
+            type="service_unavailable",
+        )
     from vllm.exceptions import GracefulHTTPError, VLLMClientError
-    from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(e, GracefulHTTPError):
         return ApiError(e.message, status=int(e.http_status), type="service_unavailable")

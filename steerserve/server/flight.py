@@ -88,7 +88,7 @@ class Flight:
         t[1] += completion
 
     def failed(self, e: BaseException) -> ApiError:
-        err = engine_error(e)
+        err = engine_error(e, self.state.drain if self.state.stopping else None)
         self.status = err.status
         return err
 

@@ -48,7 +48,7 @@ async def stream(
     except Exception as e:
         for g in gens:
             await g.aclose()
-        raise engine_error(e) from None
+        raise engine_error(e, state.drain if state.stopping else None) from None
     body = _events(state, call, request, labels, events, gens, firsts, prompts)
     headers = {**headers, "cache-control": "no-cache"}
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
