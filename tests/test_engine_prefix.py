@@ -131,13 +131,13 @@ def test_d_positions_all_shares_nothing(eng: Any, hf: Any) -> None:
 def test_salt_names_the_first_steered_token() -> None:
     e = [SteeringEntry("a", 1, 2.0, "generated")]
     assert spec.first_steered(e) == 0
-    assert spec.cache_salt(e, {}).endswith("@0")
+    assert spec.cache_salt(e, {}).endswith(":0")
     e.append(SteeringEntry("b", 2, 1.0, "last_prompt_and_generated"))
-    assert spec.first_steered(e) == -1 and spec.cache_salt(e, {}).endswith("@-1")
+    assert spec.first_steered(e) == -1 and spec.cache_salt(e, {}).endswith(":-1")
     e.append(SteeringEntry("c", 3, 1.0, "all"))
-    assert spec.first_steered(e) is None and "@" not in spec.cache_salt(e, {})
+    assert spec.first_steered(e) is None and ":" not in spec.cache_salt(e, {})
     assert prefix.salted_from(spec.cache_salt(e[:2], {}), 300) == 299
-    assert prefix.salted_from("someone-else@-1", 300) == 0  # a foreign salt: vLLM's rule
+    assert prefix.salted_from("someone-else:-1", 300) == 0  # a foreign salt: vLLM's rule
 
 
 def test_a_vllm_that_hashes_otherwise_is_refused() -> None:

@@ -4,12 +4,13 @@ vLLM chains its block hashes and mixes a request's ``cache_salt`` into block 0's
 salted (steered) request could share no block with anything else. But steering whose
 ``positions`` start at the last prompt token or later leaves every earlier token's KV exactly
 unsteered (attention is causal). So a steered salt says where its steering starts
-(:func:`steerserve.engine.spec.cache_salt`: ``@-1`` the last prompt token, ``@0`` the first
-generated one, nothing for token 0), and this seam moves the salt into the hash of the block
-that holds that token: blocks wholly before it hash exactly as unsteered blocks do, and the
-chain keys that block and every later one by the steering (entries and vector digests). Nothing
-steered is ever cached under an unsteered hash, so later requests that extend a steered one's
-prompt or output share only its unsteered blocks.
+(:func:`steerserve.engine.spec.cache_salt`: ``:-1`` the last prompt token, ``:0`` the first
+generated one, nothing for token 0; not ``@``, which vLLM's request models refuse in a salt),
+and this seam moves the salt into the hash of the block that holds that token: blocks wholly
+before it hash exactly as unsteered blocks do, and the chain keys that block and every later
+one by the steering (entries and vector digests). Nothing steered is ever cached under an
+unsteered hash, so later requests that extend a steered one's prompt or output share only its
+unsteered blocks.
 
 The seam is one function, patched where vLLM's scheduler process calls it; :func:`install`
 first probes the installed vLLM's function for the behaviour this relies on and refuses loudly
@@ -31,9 +32,9 @@ logger = logging.getLogger("steerserve.engine")
 def salted_from(salt: str | None, num_prompt_tokens: int) -> int:
     """The index of the first token whose block a salt keys: 0 (the whole request, as vLLM does)
     unless the salt is steerserve's and names a later start."""
-    if not salt or not salt.startswith(SALT_PREFIX) or "@" not in salt:
+    if not salt or not salt.startswith(SALT_PREFIX) or ":" not in salt:
         return 0
-    return max(num_prompt_tokens + int(salt.rsplit("@", 1)[1]), 0)
+    return max(num_prompt_tokens + int(salt.rsplit(":", 1)[1]), 0)
 
 
 def _probe(fn: Any) -> None:

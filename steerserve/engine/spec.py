@@ -250,7 +250,7 @@ SALT_PREFIX = "steer-"
 
 def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> str:
     """Prefix-cache salt: steered KV is never shared with unsteered requests or other configs
-    from the first steered token on (``@`` and :func:`first_steered`, when it is not token 0);
+    from the first steered token on (``:`` and :func:`first_steered`, when it is not token 0);
     the blocks before it are shared (``engine/prefix.py``).
 
     ``digests`` maps vector names to a content hash, so a different vector under the same name
@@ -262,4 +262,4 @@ def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> 
             f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions};".encode()
         )
     start = first_steered(entries)
-    return SALT_PREFIX + h.hexdigest()[:32] + ("" if start is None else f"@{start}")
+    return SALT_PREFIX + h.hexdigest()[:32] + ("" if start is None else f":{start}")
