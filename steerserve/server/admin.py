@@ -1,7 +1,8 @@
-"""Who may change what a server serves at run time (``POST /v1/steering/vectors``), and what a
-name sent there may be: admin endpoints are refused beyond loopback without an API key (anyone
-who reaches the port could change every client's answers) unless opened on purpose, and a name is
-an artifact name, optionally ``/version``, never a path."""
+"""Who may change what a server serves at run time (``POST /v1/steering/vectors``) and read the
+experiment's data, and what a name sent there may be: admin endpoints are refused beyond loopback
+without an API key (anyone who reaches the port could change every client's answers) unless opened
+on purpose, open on loopback to loopback Host names only (:class:`AdminGate`), and a name is an
+artifact name, optionally ``/version``, never a path."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import re
 
 from steerserve.server.errors import ApiError
 
-_ARTIFACT_REF = re.compile(
+ARTIFACT_REF = re.compile(
     r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}(/[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99})?$"
 )
 
 
 def check_ref(ref: str) -> None:
     """A 400 unless ``ref`` is ``name`` or ``name/version`` (never a path)."""
-    if not _ARTIFACT_REF.fullmatch(ref) or ".." in ref:  # fullmatch: "$" allows a "\n"
+    if not ARTIFACT_REF.fullmatch(ref) or ".." in ref:  # fullmatch: "$" allows a "\n"
         raise ApiError(
             "name: must be an artifact name, optionally /version (never a path)", param="name"
         )
@@ -33,6 +34,48 @@ def admin_refusal(host: str, api_key: str | None, open_admin: bool) -> str | Non
         "(STEERSERVE_API_KEY), or allow open admin endpoints with --open-admin "
         "(STEERSERVE_OPEN_ADMIN=1)"
     )
+
+
+class AdminGate:
+    """The one rule for the admin endpoints (loading a vector and changing the default, the
+    experiment's data and reports): an API key, when set, decides alone (the app checks it
+    first); without one they are refused beyond loopback unless ``--open-admin``; and when they
+    are open only because the server listens on loopback, a request must name a loopback host
+    (``Host: localhost``, ``127.0.0.1``, ``[::1]``, any port).
+
+    Why the Host rule: a web page the operator opens can point its own DNS name at 127.0.0.1
+    (DNS rebinding) and then send requests to this server as same-origin ones, which carry the
+    page's name in ``Host``; no local client names another host. ``--open-admin`` opens the
+    endpoints to whoever reaches the port, Host included (a local proxy passing its own Host)."""
+
+    def __init__(self, host: str, api_key: str | None, open_admin: bool) -> None:
+        self.refusal = admin_refusal(host, api_key, open_admin)
+        self.loopback_hosts_only = not api_key and not open_admin
+
+    def check(self, host_header: str | None) -> None:
+        """A 403 in OpenAI's format when this request may not use the admin endpoints."""
+        if self.refusal:
+            raise ApiError(self.refusal, status=403, code="admin_disabled")
+        if self.loopback_hosts_only and not loopback_name(host_header or ""):
+            raise ApiError(
+                f"the Host header names {host_header!r}: without an API key the admin "
+                "endpoints answer loopback names only (localhost, 127.0.0.1, [::1]), so that a "
+                "web page cannot reach them by DNS rebinding; set --api-key "
+                "(STEERSERVE_API_KEY) to use them under another name",
+                status=403,
+                code="untrusted_host",
+            )
+
+
+def loopback_name(host_header: str) -> bool:
+    """Whether a ``Host`` header (port optional) names loopback: ``localhost``, a name under
+    ``.localhost`` (browsers resolve it to loopback themselves, RFC 6761), 127.0.0.0/8, ``[::1]``."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.endswith(".localhost") or loopback(host)
 
 
 def loopback(host: str) -> bool:

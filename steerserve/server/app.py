@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -33,7 +34,7 @@ from steerserve.server.answers import (
     ModelList,
     VectorListing,
 )
-from steerserve.server.errors import ApiError, ErrorResponse, api_error
+from steerserve.server.errors import ApiError, ErrorResponse, allowed_methods, api_error
 from steerserve.server.guard import Guard
 from steerserve.server.protocol import (
     VectorLoadRequest,
@@ -68,6 +69,12 @@ async def require_key(request: Request) -> None:
         )
 
 
+async def require_admin(request: Request) -> None:
+    """The admin endpoints' gate, after the key: ``admin.AdminGate`` (refused beyond loopback
+    without a key, and open on loopback to loopback Host names only: DNS rebinding)."""
+    _state(request).admin.check(request.headers.get("host"))
+
+
 def create_app(settings: ServerSettings) -> FastAPI:
     state = ServerState(settings)
 
@@ -83,26 +90,44 @@ def create_app(settings: ServerSettings) -> FastAPI:
             state.decisions.log.close()
             logger.info("engine shut down")
 
-    app = FastAPI(title="steerserve", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: FastAPI's pages load Swagger UI / ReDoc from a CDN and run it on this
+    # origin, with no CSP or integrity check (the pages in pages.py are strict), and no package
+    # here ships those assets to serve them ourselves. /openapi.json stays: any viewer reads it.
+    app = FastAPI(
+        title="steerserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.steer = state
     _errors(app)
     app.include_router(_ops_router())
     app.include_router(_v1_router(), dependencies=[Depends(require_key)])
     app.include_router(pages.pages_router())
-    app.include_router(pages.experiments_router(), dependencies=[Depends(require_key)])
+    admin = [Depends(require_key), Depends(require_admin)]
+    app.include_router(pages.experiments_router(), dependencies=admin)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the request bodies, which routes parse themselves."""
+    """FastAPI's document plus what it cannot see: the request bodies (routes parse them
+    themselves), our 400 for invalid parameters, and which operations need the API key."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(openapi_components(REQUEST_MODELS))
+        keyed = {
+            (route.path_format, method.lower())
+            for route in app.routes
+            if isinstance(route, APIRoute)
+            and any(d.dependency is require_key for d in route.dependencies)
+            for method in route.methods
+        }
+        P.openapi_errors(doc, keyed, key=bool(app.state.steer.settings.api_key))
         app.openapi_schema = doc
     return app.openapi_schema
 
+
+#: The admin routes' 403 (``admin.AdminGate``), as the OpenAPI document says it.
+ADMIN_REFUSED = "without a key: refused beyond loopback, and under a Host name not loopback's"
 
 REQUEST_MODELS: list[type[BaseModel]] = [
     P.ChatCompletionRequest,
@@ -138,7 +163,10 @@ def _errors(app: FastAPI) -> None:
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         typ = "invalid_request_error" if e.status_code < 500 else "server_error"
         err = ApiError(str(e.detail), status=e.status_code, type=typ)
-        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+        headers = e.headers
+        if e.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(app.routes, request.scope)}
+        return JSONResponse(err.body(), status_code=e.status_code, headers=headers)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, e: ClientDisconnect) -> Response:
@@ -156,7 +184,7 @@ def _ops_router() -> APIRouter:
     # HEAD as its own undocumented route: one route with both methods gives two OpenAPI
     # operations the same id (FastAPI warns)
     @r.head("/health", include_in_schema=False)
-    @r.get("/health")
+    @r.get("/health", responses={503: {"description": "the engine died or failed to load"}})
     async def health(request: Request) -> JSONResponse:
         """Liveness: 200 while the process serves (also while loading); 503 once the engine
         has died or failed to load, so an orchestrator restarts the process."""
@@ -165,7 +193,7 @@ def _ops_router() -> APIRouter:
             return JSONResponse({"status": "engine dead"}, 503)
         return JSONResponse({"status": "ok"})
 
-    @r.get("/ready")
+    @r.get("/ready", responses={503: {"description": "the engine is loading, failed or died"}})
     async def ready(request: Request) -> JSONResponse:
         """Readiness: 200 once the engine is loaded, else 503."""
         s = _state(request)
@@ -175,7 +203,7 @@ def _ops_router() -> APIRouter:
             return JSONResponse({"status": "failed", "error": str(s.load_error)}, 503)
         return JSONResponse({"status": "dead" if s.loaded else "loading"}, 503)
 
-    @r.get("/metrics")
+    @r.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def metrics(request: Request) -> Response:
         m = _state(request).metrics
         return Response(m.render(), media_type=m.content_type)
@@ -235,12 +263,14 @@ def _v1_router() -> APIRouter:
 
     admin = _route(P.VectorLoadRequest, VectorListing)
     admin["responses"] |= {
-        403: {"model": ErrorResponse, "description": "admin refused open beyond loopback"},
+        403: {"model": ErrorResponse, "description": ADMIN_REFUSED},
         409: {"model": ErrorResponse, "description": "same name/version, other data"},
         422: {"model": ErrorResponse, "description": "the artifact fails verification"},
     }
 
-    @r.post("/steering/vectors", response_model=None, **admin)
+    @r.post(
+        "/steering/vectors", response_model=None, dependencies=[Depends(require_admin)], **admin
+    )
     async def load_vectors(request: Request) -> dict[str, Any]:
         s = _state(request)
         call = request.state.call = pipeline.Call("vectors")

@@ -4,7 +4,7 @@ that names its field (:func:`api_error`)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -79,3 +79,15 @@ def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
             UNKNOWN_STEERING_FIELD if loc[:1] == ("steering",) else "unrecognized request argument"
         )
     return ApiError(f"{param}: {msg}" if param else msg, param=param)
+
+
+def allowed_methods(routes: Iterable[Any], scope: Mapping[str, Any]) -> str:
+    """The ``Allow`` header of a 405: the methods of every route at the request's path (Starlette
+    names only the first route's, so ``GET`` and ``POST`` on one path, two routes, said ``GET``)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in routes:
+        if getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))

@@ -3,7 +3,7 @@ and ``/experiments`` (the server's A/B experiment, live).
 
 The pages are static HTML and JS with no data in them, so they need no key; they read the API
 with the key the user types, so they follow the API's auth. ``/v1/steering/experiments`` is
-admin-level (it is refused where the vectors admin is), and its numbers come from
+admin-level (the app gates it as the vectors admin: ``admin.AdminGate``), and its numbers come from
 ``ab_report.report``, the same code as ``steerserve ab-report``.
 """
 
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from steerserve import ab_report
-from steerserve.server.errors import ApiError
+from steerserve.server.errors import ApiError, ErrorResponse
 from steerserve.server.experiment import STEERED
 
 if TYPE_CHECKING:
@@ -77,22 +77,36 @@ def pages_router() -> APIRouter:
     return r
 
 
+#: What the OpenAPI document says of the experiment routes' answers beyond 200 (and 400, 401).
+REFUSED = {403: {"model": ErrorResponse, "description": "refused where the vectors admin is"}}
+REPORT = {
+    200: {
+        "description": "the report as ab-report --out writes it",
+        "content": {media.split(";")[0]: {} for media in ab_report.FORMATS.values()},
+    },
+    404: {"model": ErrorResponse, "description": "fmt is not one of md, json, png"},
+    409: {"model": ErrorResponse, "description": "the server keeps no decision log"},
+    **REFUSED,
+}
+
+
 def experiments_router() -> APIRouter:
-    """``/v1/steering/experiments`` and its report downloads (the app adds the key check)."""
+    """``/v1/steering/experiments`` and its report downloads (the app adds the key and admin
+    checks)."""
     r = APIRouter(prefix="/v1/steering")
 
-    @r.get("/experiments", response_model=None)
+    @r.get("/experiments", response_model=None, responses=REFUSED)
     async def experiments(request: Request, min_scored: int = MIN_SCORED) -> dict[str, Any]:
         """The A/B experiment: its settings, the report of its decision log, requests by arm
         and status since this process started, and (with --ab-log-content) recent replies."""
-        return await asyncio.to_thread(snapshot, _admin(request), min_scored)
+        return await asyncio.to_thread(snapshot, _state(request), min_scored)
 
-    @r.get("/experiments/report.{fmt}", response_model=None)
+    @r.get("/experiments/report.{fmt}", response_model=None, responses=REPORT)
     async def download(request: Request, fmt: str, min_scored: int = MIN_SCORED) -> Response:
         """``steerserve ab-report --out``'s report.md, report.json or report.png, now."""
         if fmt not in ab_report.FORMATS:
             raise ApiError(f"format: one of {', '.join(ab_report.FORMATS)}", status=404)
-        path = _log_path(_admin(request))
+        path = _log_path(_state(request))
         if path is None:
             raise ApiError(
                 "no decision log: start the server with --ab-log (STEERSERVE_AB_LOG)",
@@ -107,10 +121,8 @@ def experiments_router() -> APIRouter:
     return r
 
 
-def _admin(request: Request) -> ServerState:
+def _state(request: Request) -> ServerState:
     state: ServerState = request.app.state.steer
-    if state.admin_refusal:
-        raise ApiError(state.admin_refusal, status=403, code="admin_disabled")
     return state
 
 

@@ -8,7 +8,8 @@ What the server answers is in ``answers.py``; the error format in ``errors.py``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+import json
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -22,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error
 from steerserve.server.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
@@ -40,11 +42,24 @@ def parse_steering(raw: Any) -> SteeringSpec | None:
 # --- requests ----------------------------------------------------------------------------------
 
 
-def _needs(field: str, condition: str) -> PydanticCustomError:
-    """A field given without the one it depends on (OpenAI refuses these, so do we)."""
-    return PydanticCustomError(
-        "dependency", "{message}", {"message": f"only allowed when {condition}", "field": field}
-    )
+def _needs(field: str, flag: str) -> PydanticCustomError:
+    """A field given without the flag it depends on (OpenAI refuses these, so do we)."""
+    message = f"only allowed when '{flag}' is true"
+    return PydanticCustomError("dependency", "{message}", {"message": message, "field": field})
+
+
+def _publish_dependencies(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Each of ``model.DEPENDENCIES`` in its JSON schema as ``if`` (the field, not null) ``then``
+    (its flag true), so a client or fuzzer reading /openapi.json knows the rule."""
+    rules = [
+        {
+            "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+            "then": {"required": [flag], "properties": {flag: {"const": True}}},
+        }
+        for field, flag in getattr(model, "DEPENDENCIES", {}).items()
+    ]
+    if rules:
+        schema["allOf"] = rules
 
 
 def _integral(v: Any) -> Any:
@@ -57,10 +72,20 @@ def _integral(v: Any) -> Any:
 
 #: An integer field of a request (see :func:`_integral`).
 Int = Annotated[int, BeforeValidator(_integral)]
+#: Bounded ones: the bounds come before the validator, or pydantic publishes them as ``ge``/``le``
+#: (not JSON Schema) once the field is optional.
+Tokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]
+#: What ``/v1/completions`` generates when ``max_tokens`` is absent or null (OpenAI's and vLLM's
+#: default; SDKs send unset fields as null, which must not mean "to the context limit").
+COMPLETION_MAX_TOKENS = 16
+#: Stop sequences a request may give (OpenAI's limit).
+MAX_STOP = 4
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_dependencies)
 
 
 class StreamOptions(_Request):
@@ -104,8 +129,8 @@ class _Sampling(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: Int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: Int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -114,18 +139,23 @@ class _Sampling(_Request):
     ignore_eos: bool = False  # vLLM extension: useful for benchmarks and tests
     steering: Steering = Field(None, description=STEERING_DOC)
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
+    #: field -> the boolean flag it needs (refused without it; published in the schema)
+    DEPENDENCIES: ClassVar[dict[str, str]] = {"stream_options": "stream"}
 
     @model_validator(mode="after")
-    def _stream_options(self) -> _Sampling:
-        if self.stream_options is not None and not self.stream:
-            raise _needs("stream_options", "'stream' is true")
+    def _dependencies(self) -> _Sampling:
+        for field, flag in self.DEPENDENCIES.items():
+            if getattr(self, field) is not None and not getattr(self, flag):
+                raise _needs(field, flag)
         return self
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        """Before the union, so a long list gets this message, not one per union member."""
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -135,16 +165,19 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = Field(None, ge=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Tokens | None = Field(
+        None, description="absent or null: up to the context limit (as OpenAI and vLLM)"
+    )
+    max_completion_tokens: Tokens | None = Field(
+        None, description="takes precedence over max_tokens; absent or null: as max_tokens"
+    )
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise _needs("top_logprobs", "'logprobs' is true")
-        return self
+    DEPENDENCIES: ClassVar[dict[str, str]] = {
+        **_Sampling.DEPENDENCIES,
+        "top_logprobs": "logprobs",
+    }
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
@@ -152,10 +185,17 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Int | None = Field(16, ge=1)
-    logprobs: Int | None = Field(None, ge=0, le=20)
+    max_tokens: Tokens | None = Field(
+        COMPLETION_MAX_TOKENS, description=f"absent or null: {COMPLETION_MAX_TOKENS}"
+    )
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_budget(cls, v: Any) -> Any:
+        return COMPLETION_MAX_TOKENS if v is None else v
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -183,7 +223,11 @@ class FeedbackAnswer(BaseModel):
 
 
 class VectorLoadRequest(_Request):
-    name: str = Field(description="artifact name, optionally /version; never a path")
+    name: str = Field(
+        description="artifact name, optionally /version; never a path",
+        # the rule is admin.check_ref's; published so clients and fuzzers know it
+        json_schema_extra={"pattern": ARTIFACT_REF.pattern, "not": {"pattern": r"\.\."}},
+    )
     default: bool = Field(False, description="make it the artifact `steering: true` uses")
 
 
@@ -274,3 +318,35 @@ def openapi_components(models: list[type[BaseModel]]) -> dict[str, Any]:
         out.update(schema.pop("$defs", {}))
         out[model.__name__] = schema
     return out
+
+
+def _error_answer(status: int) -> dict[str, Any]:
+    """:data:`ERRORS`' entry for ``status`` as the document writes a response."""
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {
+        "description": ERRORS[status]["description"],
+        "content": {"application/json": {"schema": ref}},
+    }
+
+
+def openapi_errors(doc: dict[str, Any], keyed: set[tuple[str, str]], key: bool) -> None:
+    """What FastAPI's document cannot know: an invalid parameter is our 400 (FastAPI documents a
+    422 ``HTTPValidationError``), the operations ``keyed`` (path, method) answer 401, and, when
+    the server has a ``key``, they say so as a bearer security scheme."""
+    comps = doc.setdefault("components", {})
+    comps.setdefault("schemas", {}).update(openapi_components([ErrorResponse]))
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            answers = op.setdefault("responses", {})
+            if "HTTPValidationError" in json.dumps(answers.get("422", {})):
+                del answers["422"]
+                answers.setdefault("400", _error_answer(400))
+            if (path, method) in keyed:
+                answers.setdefault("401", _error_answer(401))
+                if key:
+                    op["security"] = [{"apiKey": []}]
+    if "HTTPValidationError" not in json.dumps(doc.get("paths", {})):
+        comps["schemas"].pop("HTTPValidationError", None)
+        comps["schemas"].pop("ValidationError", None)
+    if key:
+        comps["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}

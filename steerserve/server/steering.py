@@ -49,7 +49,12 @@ _ENTRY_SCHEMA = {
     "required": ["vector", "layer"],
     "properties": {
         "vector": {"type": "string", "minLength": 1, "description": "a registered vector"},
-        "layer": {"type": "integer", "description": "0-based decoder block (its output)"},
+        "layer": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 2**31 - 1,  # spec.entry's bound; the engine's own is its block count
+            "description": "0-based decoder block (its output)",
+        },
         "scale": {"type": "number", "default": 1.0},
         "positions": {"enum": list(POSITIONS), "default": "all"},
     },
