@@ -129,7 +129,8 @@ def serve(
         "--open-admin",
         envvar="STEERSERVE_OPEN_ADMIN",
         help="Allow POST /v1/steering/vectors without --api-key on a non-loopback --host "
-        "(refused by default: anyone reaching the port could change every client's steering).",
+        "(refused by default: anyone reaching the port could change every client's steering), "
+        "and on loopback under any Host name (by default loopback names only: DNS rebinding).",
     ),
     ab_split: float = typer.Option(
         0.0,

@@ -1136,6 +1136,31 @@ def test_admin_load_names_the_refusal(
     assert "broken-sha256/v1" not in http.get("/v1/steering/vectors").text
 
 
+def test_a_hot_load_reads_only_the_artifact_it_loads(
+    http: httpx.Client, vectors_dir: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hot-load verifies the versions of the name it loads, not every artifact in the folder
+    (issue 33: a rescan hashing the whole folder took 28 s under load). The real loader runs,
+    watched: it opens only the loaded name's versions (before, every artifact's)."""
+    import steerserve.artifacts as artifacts
+
+    opened: list[str] = []
+    real = artifacts.load_artifact
+
+    def watched(path: Any, *a: Any, **kw: Any) -> Any:
+        opened.append(Path(path).parent.name)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(artifacts, "load_artifact", watched)
+    make_artifact(vectors_dir, tiny_llama, "v1", name="another")
+    make_artifact(vectors_dir, tiny_llama, "v1", name="quick")
+    make_artifact(vectors_dir, tiny_llama, "v2", name="quick", seed=1)
+    r = http.post("/v1/steering/vectors", json={"name": "quick"})
+    assert r.status_code == 200, r.text
+    assert r.json()["loaded"] == "quick/v2"
+    assert opened == ["quick", "quick"], opened
+
+
 @pytest.mark.parametrize(
     "steering,kind", [("auto", "sha256"), ("auto", "truncated tensors"), ("auto", "manifest"),
                       ("on", "sha256"), ("off", "sha256")],

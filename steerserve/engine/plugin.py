@@ -2,8 +2,9 @@
 
 Runs in every vLLM process (front end, engine core, workers); cheap, idempotent, no device work:
 it registers the ``Steered<Arch>`` classes by import path, so nothing heavy loads until a
-steered model is built, and installs the prefix-cache seam (``prefix.py``), which the scheduler
-(in the engine core) uses.
+steered model is built, installs the prefix-cache seam (``prefix.py``), which the scheduler
+(in the engine core) uses, and the lifeline (``lifeline.py``): EngineCore and its worker stop
+when their parent dies, however it died.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
-    from steerserve.engine import prefix
+    from steerserve.engine import lifeline, prefix
     from steerserve.engine.archs import SUPPORTED, steered_name
 
     for arch in SUPPORTED:
         name = steered_name(arch)
         ModelRegistry.register_model(name, f"steerserve.engine.archs:{name}")
     prefix.install()
+    lifeline.install()
     _registered = True

@@ -3,30 +3,62 @@
 uvicorn times out idle keep-alive connections only: a client that opens a connection and sends
 half a request head, or trickles its body, holds a connection (and a file descriptor) forever,
 400 of them as long as it likes. The protocol here closes such a connection at the deadline,
-answering 408 when no response has begun (an unfinished body: the app sees a hang-up, 499).
+answering 408 (OpenAI's format, ``connection: close``) when no response has begun, whether the
+head or the body is unfinished; one whose response is under way is closed only. The app, still
+waiting for the body, sees the request end in an :class:`ApiError` 408 (not a hang-up, 499), so
+its metrics and logs count what the client was answered.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from steerserve.server.errors import ApiError
+
+_MESSAGE = "the request did not arrive in time"
 _BODY = (
-    b'{"error":{"message":"the request did not arrive in time","type":"invalid_request_error",'
-    b'"param":null,"code":"request_timeout"}}'
+    b'{"error":{"message":"%s","type":"invalid_request_error",'
+    b'"param":null,"code":"request_timeout"}}' % _MESSAGE.encode()
 )
 TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
 )
+#: The scope key marking a request whose body missed the deadline (answered 408 already).
+LATE = "steerserve.request_timeout"
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+
+def late_is_408(app: ASGIApp) -> ASGIApp:
+    """``app`` whose ``receive`` raises the 408 once the request is marked :data:`LATE`: the app
+    counts the request it was reading as the 408 the protocol wrote, not as a client gone."""
+
+    async def timed(scope: Scope, receive: Any, send: Any) -> None:
+        async def receive_in_time() -> Any:
+            message = await receive()
+            if scope.get(LATE):
+                raise ApiError(_MESSAGE, status=408, code="request_timeout")
+            return message
+
+        await app(scope, receive_in_time if scope["type"] == "http" else receive, send)
+
+    return timed
 
 
 def timed_protocol(seconds: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools or h11, as it picks), with the request deadline."""
 
     class Timed(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.app = late_is_408(self.app)
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
@@ -58,7 +90,16 @@ def timed_protocol(seconds: float) -> type[asyncio.Protocol]:
             if cycle is self._since:  # its head never arrived in full
                 self.transport.write(TIMEOUT_RESPONSE)
                 self.transport.close()
-            elif cycle.more_body and not cycle.response_started:  # its body never did
+            elif cycle.more_body and not cycle.response_complete:  # its body never did
+                # A request queued behind another (pipelined) would read the 408 as the answer
+                # to that one: closed only, like one whose response has begun.
+                if not cycle.response_started and not getattr(self, "pipeline", None):
+                    cycle.scope[LATE] = True
+                    self.transport.write(TIMEOUT_RESPONSE)
+                # What uvicorn does once the connection is lost, now: nothing the app sends
+                # reaches the closing transport, and the app waiting for the body wakes up.
+                cycle.disconnected = True
+                cycle.message_event.set()
                 self.transport.close()
 
     return Timed

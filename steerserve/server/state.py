@@ -8,13 +8,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
-from steerserve.server.admin import admin_refusal, check_ref
+from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import (
     DRAIN_SECONDS,
@@ -91,9 +92,10 @@ class ServerState:
         self.drain = Drain()  # past the drain deadline: requests in flight are answered 503
         self.created = int(time.time())
         self.loaded = False
-        self.admin_refusal = admin_refusal(settings.host, settings.api_key, settings.open_admin)
-        if self.admin_refusal:
-            logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin_refusal)
+        # who may load vectors and read the experiment (the app's require_admin asks it)
+        self.admin = AdminGate(settings.host, settings.api_key, settings.open_admin)
+        if self.admin.refusal:
+            logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin.refusal)
 
     @property
     def ready(self) -> bool:
@@ -179,12 +181,13 @@ class ServerState:
             self.load_error = e
             logger.exception("engine failed to load%s", self._exit())
 
-    def _scan(self) -> list[Scanned]:
-        """The artifact directories under the vectors directory, verified for this model."""
+    def _scan(self, names: Collection[str] | None = None) -> list[Scanned]:
+        """The artifact directories under the vectors directory (of ``names`` only, when given),
+        verified for this model."""
         root = self.settings.vectors_dir
         if root is None or not Path(root).is_dir():
             return []
-        return scan_artifacts(root, self.settings.engine.model)
+        return scan_artifacts(root, self.settings.engine.model, names)
 
     async def add_artifact(self, art: Artifact, make_default: bool = False) -> Artifact:
         m = art.manifest
@@ -265,9 +268,7 @@ class ServerState:
 
     async def load_named(self, ref: str, make_default: bool) -> dict[str, Any]:
         """``POST /v1/steering/vectors``: load ``name[/version]`` (its newest version when
-        omitted) from the vectors directory; never a path."""
-        if self.admin_refusal:
-            raise ApiError(self.admin_refusal, status=403, code="admin_disabled")
+        omitted) from the vectors directory; never a path (the route checks ``self.admin``)."""
         if not self.ready:
             raise ApiError("the engine is still loading", status=503, type="service_unavailable")
         check_ref(ref)
@@ -284,5 +285,5 @@ class ServerState:
     async def _find(self, ref: str) -> Artifact:
         """``name/version``, or ``name``'s newest version, from the vectors directory (404 or
         422: ``vetting.loadable``)."""
-        found = await asyncio.to_thread(self._scan)
+        found = await asyncio.to_thread(self._scan, {ref.split("/")[0]})
         return loadable(found, ref, self.settings.engine.max_abs_scale, self.settings.vectors_dir)
