@@ -197,6 +197,25 @@ def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> N
     assert {p.name for p in (root / "r").iterdir()} == {"report.md", "report.json", "report.png"}
 
 
+def test_a_stream_hung_up_at_done_keeps_its_decision(ab: Server, root: Path) -> None:
+    """A client that closes the connection as soon as it reads ``[DONE]`` has its whole answer:
+    its decision is logged (the soak's clients, doing that, lost 5 lines of 191 as 499s)."""
+    ids = []
+    for user in USERS[:8]:
+        body = chat_body(FR, max_tokens=2, user=user, stream=True)
+        with httpx.Client(base_url=ab.url, headers=AUTH, timeout=60) as c:  # its own connection
+            with c.stream("POST", "/v1/chat/completions", json=body) as s:
+                assert s.status_code == 200
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        rid = json.loads(line[6:])["id"]
+                    if line == "data: [DONE]":
+                        break  # and hang up: the response is closed unread
+        ids.append(rid)
+    logged = {x["id"] for x in log_lines(root) if x["type"] == "decision"}
+    assert set(ids) <= logged, set(ids) - logged
+
+
 def test_bad_experiment_settings_refuse_to_start(tiny_llama: Path, tmp_path: Path) -> None:
     """A split outside [0, 1] or an unwritable log: no app (the CLI says the same, naming the
     option); a split without any artifact to steer with: the start fails before the engine."""

@@ -81,6 +81,9 @@ class Flight:
         self.state, self.call, self.request, self.gens = state, call, request, gens
         self.status = 200
         self.tokens: dict[str, list[int]] = {}
+        #: A stream's last event (``[DONE]``) went out: the client has its whole answer, and
+        #: hanging up after it (as soon as it reads ``[DONE]``) is no 499 and loses no decision.
+        self.delivered = False
 
     def count(self, arm: str, prompt: int, completion: int) -> None:
         t = self.tokens.setdefault(arm, [0, 0])
@@ -102,7 +105,7 @@ class Flight:
         gone = isinstance(e, (ClientGone, asyncio.CancelledError, GeneratorExit))
         err = None if e is None or gone else self.failed(e)
         try:
-            if e is None and await client_gone(self.request):
+            if e is None and not self.delivered and await client_gone(self.request):
                 gone = True  # the answer was ready, but nobody is there to read it
         except asyncio.CancelledError:  # cancelled for the hang-up while looking for it
             gone = True

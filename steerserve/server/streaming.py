@@ -97,9 +97,11 @@ async def _events(
             for ev in events.tail(Usage.of(prompt_tokens, completion, cached_tokens(firsts))):
                 yield ev
             yield DONE
+            flight.delivered = True
         except Exception as e:
             yield sse(flight.failed(e).body())
             yield DONE
+            flight.delivered = True
         finally:
             await merged.aclose()
 
