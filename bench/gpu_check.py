@@ -6,9 +6,9 @@ random Llama in float32 under vLLM's defaults (torch.compile + CUDA graphs, not 
 graphs are captured only up to CAPTURE_MAX tokens, so the size loop also decodes above the largest
 capture size (compiled code without a graph):
 1. the active model runner is printed and must be the one asked for;
-2. a mixed batch (steered / unsteered, different layers, scales, positions, prompt lengths) equals
-   each request run alone; its unsteered requests equal a stock engine's same batch; steering
-   changes every steered request; scale 0 equals unsteered;
+2. a mixed batch (steered / unsteered, different layers, scales, positions, operations, prompt
+   lengths) equals each request run alone; its unsteered requests equal a stock engine's same
+   batch; steering changes every steered request; scale 0 equals unsteered;
 3. decode batches at, between (padding tail) and above the capture sizes: unsteered requests equal
    the stock engine's same batch, steered ones equal their solo runs;
 4. greedy tokens and log-probabilities match the transformers forward-hook oracle on CUDA.
@@ -60,6 +60,20 @@ MIXED: list[list[dict[str, Any]] | None] = [
     ],
     None,
     [{"vector": "beta", "layer": 1, "scale": 3.0, "positions": "generated"}],
+    [  # the non-additive kernel (engine/ops.py), two slots on layer 2, then an add there
+        {"vector": "alpha", "layer": 2, "scale": 1.0, "positions": "all", "op": "ablate"},
+        {"vector": "beta", "layer": 2, "scale": 0.5, "positions": "generated", "op": "interp"},
+        {"vector": "beta", "layer": 2, "scale": 1.0, "positions": "all"},
+    ],
+    [
+        {
+            "vector": "beta",
+            "layer": 1,
+            "scale": 1.0,
+            "positions": "last_prompt_and_generated",
+            "op": "replace",
+        }
+    ],
 ]
 
 
@@ -239,10 +253,11 @@ def check_mixed(eng: Any, base: list[list[int]], stock: dict, atol: float, repor
 
 
 def check_sizes(eng: Any, stock: dict, atol: float, report: Report) -> None:
-    """Half the requests steered; decode batches of exactly n requests for MAX_TOKENS steps."""
+    """Half the requests steered (by an add, or by the non-additive ops); decode batches of
+    exactly n requests for MAX_TOKENS steps."""
     for n in SIZES:
         ps = _prompts(n, 100 + n)
-        st = [MIXED[1] if i % 2 else None for i in range(n)]
+        st = [None if i % 2 == 0 else MIXED[1] if i % 4 == 1 else MIXED[-1] for i in range(n)]
         out = _run(eng, ps, st)
         stock_batch, stock_solo = stock["sizes"][n]
         plain = [compare(out[i], stock_batch[i], atol) for i in range(0, n, 2)]

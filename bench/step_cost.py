@@ -3,10 +3,12 @@
 Load-robust (minimum over repeats of tight loops, no engine scheduling in the loop), so it reads
 the same on a busy shared machine. Pieces, at the shape of one decode step of one request:
 
-* ``hook+op`` — a hooked layer's forward hook and ``steer_add`` on a ``[tokens, hidden]`` stream
-  (what every hooked layer paid on every step before the idle skip); ``hook idle`` — the same hook
-  when no running request steers its layer (the skip);
-* ``op`` — ``torch.ops.steerserve.steer_add`` alone; ``add`` — a plain ``hidden + delta``;
+* ``hooked layer, idle`` — a hooked layer's forward hook when no running request steers its layer
+  (the skip); ``hooked layer, steered <op>`` — the hook with every row of the step steered by one
+  entry of that operation (``engine/ops.py``: ``add`` runs ``steer_add``, the others
+  ``steer_edit``); ``hooked layer, no skip`` — both kernels on an unsteered layer, what every
+  hooked layer pays where the skip is off (CUDA graphs, torch.compile);
+* ``op`` — each kernel alone; ``add`` — a plain ``hidden + delta``;
 * ``sync`` / ``prepare_step`` — the runner seam's bookkeeping and index fill, idle and steered.
 
     .venv/bin/python bench/step_cost.py --hidden 1536 --layers 28 --dtype bfloat16
@@ -40,9 +42,56 @@ class Layer(torch.nn.Module):
         return x, x
 
 
-def main() -> None:
+def steered_state(a: argparse.Namespace, spec: dict | None) -> tuple[object, list[Layer]]:
+    """A steering state on stand-in layers, every request of the step running ``spec``."""
     from steerserve.engine.buffers import SteeringState
-    from steerserve.engine.op import steer_add
+
+    st = SteeringState(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        max_num_seqs=64,
+        max_num_tokens=2048 + 64,
+        rows_per_request=4,
+        device="cpu",
+    )
+    st.register_vector("v", torch.randn(a.hidden), "d")
+    layers = [Layer() for _ in range(a.layers)]
+    st.attach(layers, range(a.layers))
+    ids = [f"r{i}" for i in range(a.tokens)]
+    st.sync(ids, lambda r: spec)
+    return st, layers
+
+
+def op_rows(a: argparse.Namespace, name: str, x: torch.Tensor, step: tuple) -> list:
+    """The pieces of one operation with every request of the step running one entry of it at
+    the middle layer (all positions); the bookkeeping and kernel alone for ``add`` (the delta
+    pool) and ``ablate`` (standing for the non-additive kernel, which every such op shares)."""
+    from steerserve.engine.op import steer_add, steer_edit
+    from steerserve.engine.ops import OPS
+    from steerserve.engine.spec import EXTRA_ARGS_KEY, SteeringEntry, encode
+
+    mid = a.layers // 2
+    scale = 0.5 if OPS[name].scale_range else 1.0
+    spec = {EXTRA_ARGS_KEY: encode([SteeringEntry("v", mid, scale, "all", name)])}
+    st, layers = steered_state(a, spec)
+    st.prepare_step(*step)
+    rows = []
+    if name == "add":
+        rows.append(("sync (steered)", best_us(lambda: st.sync(step[0], lambda r: spec))))
+        rows.append(("prepare_step (steered)", best_us(lambda: st.prepare_step(*step))))
+        idx, pool = st.index[mid], st.pool
+        rows.append(("steer_add op alone", best_us(lambda: steer_add(x, idx, pool))))
+    elif name == "ablate":
+        rows.append(("prepare_step (steered, non-additive)",
+                     best_us(lambda: st.prepare_step(*step))))  # fmt: skip
+        oi, rw = st.op_index[mid], st.op_rows
+        rows.append(("steer_edit op alone (K slots)", best_us(lambda: steer_edit(x, x, oi, rw))))
+    rows.append((f"hooked layer, steered {name}", best_us(lambda: layers[mid](x))))
+    return rows
+
+
+def main() -> None:
+    from steerserve.engine.ops import engine_ops
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1536)
@@ -52,52 +101,24 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
-    st = SteeringState(
-        num_layers=a.layers,
-        hidden_size=a.hidden,
-        max_num_seqs=64,
-        max_num_tokens=2048 + 64,
-        rows_per_request=4,
-        device="cpu",
-    )
-    layers = [Layer() for _ in range(a.layers)]
-    st.attach(layers, range(a.layers))
-    bare = Layer()
     x = torch.randn(a.tokens, a.hidden, dtype=dtype)
-    st.register_vector("v", torch.randn(a.hidden), "d")
     ids = [f"r{i}" for i in range(a.tokens)]
     qsl = np.arange(a.tokens + 1, dtype=np.int32)
     comp = np.full(a.tokens, 40, np.int32)
     plen = np.full(a.tokens, 30, np.int32)
-    no_extra: dict = {}
+    bare = Layer()
 
     rows: list[tuple[str, float]] = []
     rows.append(("layer call, no hook", best_us(lambda: bare(x))))
-    st.sync(ids, lambda r: no_extra)  # every request unsteered
-    rows.append(("sync (idle)", best_us(lambda: st.sync(ids, lambda r: no_extra))))
+    st, layers = steered_state(a, None)  # every request unsteered
+    rows.append(("sync (idle)", best_us(lambda: st.sync(ids, lambda r: None))))
     rows.append(("prepare_step (idle)", best_us(lambda: st.prepare_step(ids, qsl, comp, plen))))
     rows.append(("hooked layer, idle", best_us(lambda: layers[0](x))))
-    from steerserve.engine.spec import EXTRA_ARGS_KEY, SteeringEntry, encode
-
-    spec = {EXTRA_ARGS_KEY: encode([SteeringEntry("v", a.layers // 2, 1.0, "all")])}
-    st2 = SteeringState(
-        num_layers=a.layers,
-        hidden_size=a.hidden,
-        max_num_seqs=64,
-        max_num_tokens=2048 + 64,
-        rows_per_request=4,
-        device="cpu",
-    )
-    st2.register_vector("v", torch.randn(a.hidden), "d")
-    layers2 = [Layer() for _ in range(a.layers)]
-    st2.attach(layers2, range(a.layers))
-    st2.sync(ids, lambda r: spec)
-    rows.append(("sync (steered)", best_us(lambda: st2.sync(ids, lambda r: spec))))
-    rows.append(("prepare_step (steered)", best_us(lambda: st2.prepare_step(ids, qsl, comp, plen))))
-    st2.prepare_step(ids, qsl, comp, plen)
-    rows.append(("hooked layer, steered", best_us(lambda: layers2[a.layers // 2](x))))
-    idx, pool = st2.index[a.layers // 2], st2.pool
-    rows.append(("steer_add op alone", best_us(lambda: steer_add(x, idx, pool))))
+    st.skip_idle = False
+    rows.append(("hooked layer, no skip (both kernels, nothing steered)",
+                 best_us(lambda: layers[0](x))))  # fmt: skip
+    for name in engine_ops():
+        rows += op_rows(a, name, x, (ids, qsl, comp, plen))
     d = torch.randn(a.tokens, a.hidden, dtype=dtype)
     rows.append(("plain add", best_us(lambda: x + d)))
     print(f"hidden {a.hidden}, {a.layers} layers, {a.tokens} token(s), {a.dtype}, 1 thread")

@@ -24,8 +24,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from steerserve import __version__
+from steerserve.engine.ops import DEFAULT_OP, OPS
 from steerserve.engine.registry import tensor_sha256
-from steerserve.engine.spec import SteeringEntry
+from steerserve.engine.spec import POSITIONS, SteeringEntry
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ _SHAPE_KEYS = (
     "head_dim",
 )
 _SLUG = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}$"  # a path segment of an engine vector name
-Positions = Literal["all", "last_prompt_and_generated", "generated"]
+Positions = Literal[tuple(POSITIONS)]  # type: ignore[valid-type]  # the engine's, by name
+OpName = Literal[tuple(OPS)]  # type: ignore[valid-type]  # the rows of engine/ops.py
 
 
 class ArtifactError(ValueError):
@@ -82,13 +84,16 @@ class ModelBinding(_Strict):
 
 
 class Intervention(_Strict):
-    """One vector with its recommended use: add ``scale * v`` at the output of block ``layer``."""
+    """One vector with its recommended use: ``op`` (default: add ``scale * v``) at the output of
+    block ``layer``. ``op`` is written only when it is not ``add``, so a manifest of additive
+    interventions reads as it did before operations existed (and older readers still load it)."""
 
     name: str = Field(pattern=_SLUG)
     tensor: str = Field(min_length=1)
     layer: int = Field(ge=0)
     scale: float
     positions: Positions = "all"
+    op: OpName = Field(DEFAULT_OP, exclude_if=lambda v: v == DEFAULT_OP)
     sha256: str = ""
     norm: float | None = None
     provenance: dict[str, Any] = Field(default_factory=dict)
@@ -100,6 +105,13 @@ class Intervention(_Strict):
         if not math.isfinite(v):
             raise ValueError(f"scale must be finite, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _op_scale(self) -> Intervention:
+        why = OPS[self.op].scale_refusal(self.scale)
+        if why is not None:
+            raise ValueError(f"scale {self.scale} {why}")
+        return self
 
 
 #: ISO 639-1 codes the server's language detection can return (lingua's 75 languages; a test
@@ -169,6 +181,20 @@ class Manifest(_Strict):
                 )
         return v
 
+    @model_validator(mode="after")
+    def _gated_scales(self) -> Manifest:
+        """A language's multiplier must keep every bounded op's scale in its range (``interp``'s
+        α in [0, 1]), or ``auto`` would be refused for that language at every request."""
+        for code, gate in (self.languages or {}).items():
+            for iv in self.interventions:
+                why = OPS[iv.op].scale_refusal(iv.scale * gate.multiplier)
+                if gate.multiplier and why is not None:
+                    raise ValueError(
+                        f"languages.{code}: multiplier {gate.multiplier:g} takes intervention "
+                        f"{iv.name!r} to scale {iv.scale * gate.multiplier:g}, which {why}"
+                    )
+        return self
+
     def auto_multiplier(self, language: str | None) -> float:
         """The multiplier ``auto`` applies to a prompt in ``language`` (0: not steered)."""
         if language in (None, "en"):
@@ -233,7 +259,7 @@ class Artifact:
         for n in names:
             iv = m.intervention(n)
             scale = iv.scale * float(factor.get(n, 1.0))
-            out.append(SteeringEntry(m.vector_name(iv), iv.layer, scale, iv.positions))
+            out.append(SteeringEntry(m.vector_name(iv), iv.layer, scale, iv.positions, iv.op))
         return tuple(out)
 
 
@@ -393,6 +419,8 @@ def _check(manifest: Manifest, tensors: Mapping[str, torch.Tensor], where: str) 
                 f"{f}: sha256 mismatch: manifest {iv.sha256[:16]}…, data {digest[:16]}…"
             )
         norm = float(t.float().norm())
+        if norm == 0 and OPS[iv.op].needs_direction:
+            raise ArtifactError(f"{f}: op {iv.op!r} needs a non-zero vector")
         if iv.norm is None or not math.isclose(iv.norm, norm, rel_tol=1e-4, abs_tol=1e-6):
             raise ArtifactError(f"{f}: norm {iv.norm} does not match the data's {norm:.6g}")
         if not 0 <= iv.layer < m.num_layers:
@@ -679,7 +707,8 @@ def export_gguf(
     """Write interventions as a llama.cpp control vector, each scale baked into its direction.
 
     llama.cpp has one strength per file and steers every token, so ``positions`` is not kept
-    by llama.cpp; interventions sharing a layer are summed into one ``direction.N``.
+    by llama.cpp; interventions sharing a layer are summed into one ``direction.N``. It only
+    adds, so an intervention whose op cannot be carried (``engine/ops.py``: ``gguf``) is refused.
     """
     import gguf
 
@@ -687,6 +716,11 @@ def export_gguf(
     ivs = m.interventions if names is None else [m.intervention(n) for n in names]
     by_layer: dict[int, torch.Tensor] = {}
     for iv in ivs:
+        if not OPS[iv.op].gguf:
+            raise ArtifactError(
+                f"intervention {iv.name!r}: op {iv.op!r} cannot be exported (a llama.cpp control "
+                "vector only adds its direction to every token)"
+            )
         if iv.layer == 0:
             raise ArtifactError(
                 f"intervention {iv.name!r}: layer 0 cannot be exported (llama.cpp rejects "

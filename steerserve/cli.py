@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from steerserve import research_cli
+from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.steering import DEFAULT_MODE
 
@@ -70,6 +71,13 @@ def serve(
         "counted twice; more is refused (400). Default: half of --max-num-seqs, so one request "
         "never holds every seat and a later one starts at the engine's next step.",
         show_default=False,
+    ),
+    ops_per_layer: int = typer.Option(
+        DEFAULT_OPS_PER_LAYER,
+        envvar="STEERSERVE_OPS_PER_LAYER",
+        help="Non-additive steering entries (ablate, replace, interp) one request may stack on "
+        "one layer. 0 serves additive steering only and keeps their kernel out of compiled "
+        "graphs (GPU), where it otherwise runs on every steerable layer at every step.",
     ),
     tensor_parallel_size: int = typer.Option(
         1, envvar="STEERSERVE_TENSOR_PARALLEL_SIZE", help="GPUs per model replica (TP)."
@@ -168,7 +176,7 @@ def serve(
         max_num_seqs, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
         enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
-        max_seqs_per_request,
+        max_seqs_per_request, ops_per_layer,
     )  # fmt: skip
     try:
         settings = so.settings(opts)

@@ -168,6 +168,21 @@ def test_fingerprints_agree(tiny_models: dict[str, Path]) -> None:
             lambda r: r.update(languages={"fr": {"multiplier": "NaN"}}),
             "languages.fr.multiplier",
         ),
+        (
+            lambda r: r["interventions"][0].update(op="rotate"),
+            "interventions.0.op: Input should be 'add', 'ablate', 'replace' or 'interp'",
+        ),
+        (
+            lambda r: r["interventions"][0].update(op="interp"),  # scale 4: not an α
+            r"scale 4.0 is outside \[0, 1\] for op 'interp'",
+        ),
+        (
+            lambda r: (
+                r["interventions"][1].update(op="interp", scale=0.5),
+                r.update(languages={"fr": {"multiplier": 3}}),
+            ),
+            r"languages.fr: multiplier 3 takes intervention 'translation' to scale 1.5, which is",
+        ),
     ],
 )
 def test_manifest_refusals(art: A.Artifact, edit: typing.Callable, message: str) -> None:
@@ -186,6 +201,30 @@ def test_language_gate_of_auto(art: A.Artifact) -> None:
     assert gated.auto_languages() == ["fr"]
     assert (gated.auto_multiplier("fr"), gated.auto_multiplier("ko")) == (0.5, 0.0)
     assert gated.auto_multiplier("ja") == 0.0  # not listed: not steered
+
+
+def test_interventions_carry_their_op(tmp_path: Path, binding: A.ModelBinding) -> None:
+    """A manifest without ``op`` is all ``add`` (and is written back without it); an op is
+    kept through save, load and entries, with multipliers; ablating a zero vector is refused."""
+    shipped = sorted((Path(__file__).parents[1] / "vectors").glob("*/*/manifest.json"))
+    assert shipped and all(
+        iv.op == "add" for p in shipped for iv in A.read_manifest(p.parent).interventions
+    )
+    m = _manifest(binding)
+    ivs = [m.interventions[0], m.interventions[1].model_copy(update={"op": "ablate"})]
+    a = A.save_artifact(tmp_path / "ops", m.model_copy(update={"interventions": ivs}),
+                        _tensors(64))  # fmt: skip
+    raw = json.loads((a.path / A.MANIFEST_FILE).read_text())
+    assert "op" not in raw["interventions"][0] and raw["interventions"][1]["op"] == "ablate"
+    loaded = A.load_artifact(a.path)
+    assert [(e.op, e.scale) for e in loaded.entries({"translation": 2.0})] == [("ablate", -3.0)]
+    assert [e.op for e in loaded.entries()] == ["add", "ablate"]
+    with pytest.raises(A.ArtifactError, match="op 'ablate' needs a non-zero vector"):
+        A.save_artifact(tmp_path / "zero", m.model_copy(update={"interventions": ivs}),
+                        {"recall": torch.ones(64), "translation": torch.zeros(64)})  # fmt: skip
+    with pytest.raises(A.ArtifactError, match="op 'ablate' cannot be exported .*only adds"):
+        A.export_gguf(loaded, tmp_path / "ops.gguf")
+    A.export_gguf(loaded, tmp_path / "add.gguf", names=["recall"])  # the additive one exports
 
 
 def test_language_codes_are_the_detectors() -> None:

@@ -1,5 +1,6 @@
 """torch.compile on (vLLM's compiled forward, not eager) and vLLM's default multi-process mode:
-steering must survive compilation and give the eager engine's tokens."""
+steering, every operation included, must survive compilation and give the eager engine's
+tokens."""
 
 from __future__ import annotations
 
@@ -12,14 +13,29 @@ STEERING = [
     [{"vector": "beta", "layer": 2, "scale": -1.5, "positions": "last_prompt_and_generated"}],
     [{"vector": "alpha", "layer": 3, "scale": 2.5, "positions": "generated"}],
     None,
+    [  # the non-additive kernel: two slots on layer 1, with an add after them
+        {"vector": "beta", "layer": 1, "scale": 1.0, "positions": "all", "op": "ablate"},
+        {"vector": "alpha", "layer": 1, "scale": 0.5, "positions": "generated", "op": "interp"},
+        {"vector": "alpha", "layer": 1, "scale": 1.0, "positions": "all"},
+    ],
+    [
+        {
+            "vector": "beta",
+            "layer": 2,
+            "scale": 1.0,
+            "positions": "last_prompt_and_generated",
+            "op": "replace",
+        }
+    ],
 ]
+N = len(STEERING)
 
 
 @pytest.fixture(scope="module")
 def eager_results(tiny_llama):
     eng = engine(tiny_llama)
     try:
-        return run(eng, prompts(5), STEERING), run(eng, prompts(5), None)
+        return run(eng, prompts(N), STEERING), run(eng, prompts(N), None)
     finally:
         eng.shutdown()
 
@@ -32,12 +48,12 @@ def test_compiled_multiprocess_equals_eager(tiny_llama, eager_results, monkeypat
         info = eng.worker_info()
         assert info[0]["hooked_layers"] == [0, 1, 2, 3]
         assert set(info[0]["vectors"]) == {"alpha", "beta"}
-        steered, plain = run(eng, prompts(5), STEERING), run(eng, prompts(5), None)
+        steered, plain = run(eng, prompts(N), STEERING), run(eng, prompts(N), None)
         eager_steered, eager_plain = eager_results
         for got, want in zip(steered + plain, eager_steered + eager_plain, strict=True):
             assert got[0] == want[0]
             assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < LOGPROB_ATOL
         assert any(s[0] != p[0] for s, p in zip(steered, plain, strict=True) if s), "no effect"
-        check_against_reference(load_hf(tiny_llama), eng, prompts(2), STEERING[:2])
+        check_against_reference(load_hf(tiny_llama), eng, prompts(N), STEERING)
     finally:
         eng.shutdown()

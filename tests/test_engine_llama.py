@@ -1,12 +1,24 @@
 """The plugin in the real vLLM engine (CPU, eager) on a tiny Llama: parity with the transformers
-oracle, mixed batches, scale 0, prefix caching, admission errors."""
+oracle for every operation and positions value, mixed batches, scale 0, prefix caching,
+admission errors."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from _engine_helpers import check_against_reference, engine, load_hf, prompts, run
+from _engine_helpers import (
+    LOGPROB_ATOL,
+    check_against_reference,
+    engine,
+    load_hf,
+    prompts,
+    run,
+    vectors,
+)
+
+from steerserve.engine.ops import engine_ops
+from steerserve.engine.spec import POSITIONS
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +50,133 @@ def test_parity_with_transformers(eng, hf, positions):
     got = check_against_reference(hf, eng, ps, steering)
     plain = run(eng, ps, None)
     assert any(g[0] != p[0] for g, p in zip(got, plain, strict=True)), "steering had no effect"
+
+
+#: A scale per op that visibly steers the tiny model (interp's α lies in [0, 1]).
+OP_SCALE = {"add": 2.0, "ablate": 2.0, "replace": 1.0, "interp": 0.6}
+
+
+@pytest.mark.parametrize("positions", list(POSITIONS))
+@pytest.mark.parametrize("op", engine_ops())
+def test_every_op_matches_transformers(eng, hf, op, positions):
+    ps = prompts(3)
+    entry = {"vector": "alpha", "layer": 1, "scale": OP_SCALE[op], "positions": positions}
+    got = check_against_reference(hf, eng, ps, [[entry | {"op": op}]] * 3)
+    plain = run(eng, ps, None)
+    moved = max(
+        abs(a - b) for g, p in zip(got, plain, strict=True) for a, b in zip(g[1], p[1], strict=True)
+    )
+    assert moved > 1e-3, f"{op} at {positions} had no effect"
+
+
+#: Every op, two of them stacked on one layer and token, combined with add on the same layer.
+MIXED_OPS = [
+    None,
+    [{"vector": "alpha", "layer": 1, "scale": 1.0, "positions": "all", "op": "ablate"}],
+    [
+        {
+            "vector": "beta",
+            "layer": 2,
+            "scale": 1.0,
+            "positions": "last_prompt_and_generated",
+            "op": "replace",
+        }
+    ],
+    None,
+    [
+        {"vector": "alpha", "layer": 0, "scale": 0.5, "positions": "all", "op": "interp"},
+        {"vector": "beta", "layer": 3, "scale": 2.5, "positions": "generated"},
+    ],
+    [  # on layer 2: ablate then interp (generated tokens), then the add
+        {"vector": "alpha", "layer": 2, "scale": 1.0, "positions": "all"},
+        {
+            "vector": "beta",
+            "layer": 2,
+            "scale": 1.0,
+            "positions": "last_prompt_and_generated",
+            "op": "ablate",
+        },
+        {"vector": "alpha", "layer": 2, "scale": 0.3, "positions": "generated", "op": "interp"},
+    ],
+    None,
+    [
+        {"vector": "alpha", "layer": 1, "scale": 0.8, "positions": "generated", "op": "replace"},
+        {"vector": "beta", "layer": 1, "scale": -1.0, "positions": "all", "op": "ablate"},
+    ],
+]
+
+
+def test_mixed_batch_of_every_op_equals_solo_and_stock(eng, hf, stock_unsteered):
+    ps = prompts(8)
+    batch = run(eng, ps, MIXED_OPS)
+    for i, (p, s) in enumerate(zip(ps, MIXED_OPS, strict=True)):
+        solo = run(eng, [p], [s])[0]
+        assert batch[i][0] == solo[0], f"request {i} differs in a batch"
+        assert max(abs(a - b) for a, b in zip(batch[i][1], solo[1], strict=True)) < LOGPROB_ATOL
+        if s is None:
+            assert batch[i] == stock_unsteered[i], f"unsteered {i} differs from a stock engine"
+    steered = [i for i, s in enumerate(MIXED_OPS) if s]
+    check_against_reference(hf, eng, [ps[i] for i in steered], [MIXED_OPS[i] for i in steered])
+
+
+def _capture_stream(layer: int, out: list):
+    """A worker-side function (``collective_rpc``): hook decoder block ``layer`` after the
+    steering hook and keep the stream ``hidden + residual`` it hands on."""
+
+    def install(worker):
+        from steerserve.engine.archs import _decoder
+
+        block = _decoder(worker.model_runner.get_model()).layers[layer]
+
+        def keep(module, args, output):
+            hidden, residual = output
+            out.append((hidden + residual).detach().clone())
+
+        worker._steerserve_test_hook = block.register_forward_hook(keep)
+
+    return install
+
+
+def test_ablate_leaves_the_stream_orthogonal(eng, hf):
+    """Scale 1 removes v's direction at the steered tokens: in the engine (the stream block 1
+    hands on) and in the transformers reference (block 1's output)."""
+    import torch
+
+    from steerserve.engine.spec import SteeringEntry
+    from steerserve.research.reference import phases, steering_hooks
+
+    v = vectors(eng.shape.hidden_size)["alpha"]
+    u = v / v.norm()
+    entry = {"vector": "alpha", "layer": 1, "scale": 1.0, "positions": "all", "op": "ablate"}
+
+    def max_cos(streams: torch.Tensor) -> float:
+        return float(((streams @ u) / streams.norm(dim=-1)).abs().max())
+
+    seen: list = []
+    eng.llm.collective_rpc(_capture_stream(1, seen))
+    try:
+        run(eng, prompts(2), None)
+        plain, seen[:] = torch.cat(seen), []
+        run(eng, prompts(2), [[entry]] * 2)
+        ablated = torch.cat(seen)
+    finally:
+        eng.llm.collective_rpc(lambda w: w._steerserve_test_hook.remove())
+    assert max_cos(plain) > 1e-2 and ablated.shape[0] > 20
+    assert max_cos(ablated) < 1e-5, f"engine: |cos(h, v)| up to {max_cos(ablated):.2e}"
+
+    ids, kept = prompts(1)[0], []
+    with steering_hooks(hf, [SteeringEntry(**entry)], {"alpha": v}) as ctx:
+        ph = phases(len(ids), len(ids))
+        ctx["masks"] = torch.stack([ph == k for k in range(3)]).unsqueeze(1)
+        handle = hf.model.layers[1].register_forward_hook(
+            lambda m, a, o: kept.append(o[0] if isinstance(o, tuple) else o)
+        )
+        try:
+            with torch.no_grad():
+                hf(torch.tensor([ids]))
+        finally:
+            handle.remove()
+    assert max_cos(kept[0][0]) < 1e-5, f"reference: |cos(h, v)| up to {max_cos(kept[0][0]):.2e}"
 
 
 MIXED = [
@@ -119,6 +258,27 @@ BAD = [
     ),
     ([{"vector": "alpha", "layer": 1, "scale": 1.0, "colour": 1}], r"steering\[0\]\.colour"),
     ({"vector": "alpha"}, r"steering: must be a list"),
+    ([{"vector": "alpha", "layer": 1, "op": "rotate"}], r"steering\[0\]\.op: 'rotate' is not one"),
+    ([{"vector": "alpha", "layer": 1, "op": 3}], r"steering\[0\]\.op: 3 is not one of"),
+    (
+        [{"vector": "alpha", "layer": 1, "scale": 1.5, "op": "interp"}],
+        r"steering\[0\]\.scale: 1.5 is outside \[0, 1\] for op 'interp'",
+    ),
+    (
+        [{"vector": "alpha", "layer": 1, "scale": -0.1, "op": "interp"}],
+        r"steering\[0\]\.scale: -0.1 is outside",
+    ),
+    (
+        [{"vector": "alpha", "layer": 1, "scale": math.nan, "op": "ablate"}],
+        r"steering\[0\]\.scale: must be finite",
+    ),
+    (
+        [
+            {"vector": v, "layer": 2, "scale": 1.0, "op": "ablate"}
+            for v in ("alpha", "beta", "alpha")
+        ],
+        r"steering\[2\]\.op: more than 2 non-additive entries on layer 2",
+    ),
 ]
 
 
@@ -130,6 +290,19 @@ def test_bad_steering_is_refused(eng, steering, message):
         # a valid request alongside: the whole call is refused before anything runs
         eng.generate(
             [[1, 5, 6], [1, 7, 8]], SamplingParams(max_tokens=2), steering=[None, steering]
+        )
+
+
+def test_ablating_a_zero_vector_is_refused(eng):
+    import torch
+    from vllm import SamplingParams
+
+    eng.register_vector("zero", torch.zeros(eng.shape.hidden_size))
+    ok = [{"vector": "zero", "layer": 1, "scale": 1.0}]  # adding nothing is allowed
+    assert run(eng, prompts(1), [ok]) == run(eng, prompts(1), None)
+    with pytest.raises(ValueError, match=r"steering\[0\]\.vector: ablate needs a non-zero"):
+        eng.generate(
+            [[1, 5, 6]], SamplingParams(max_tokens=2), steering=[[ok[0] | {"op": "ablate"}]]
         )
 
 

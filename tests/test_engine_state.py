@@ -43,7 +43,7 @@ def test_plan_rows_groups_phases_and_stacks_entries():
     ]
     rows = spec.plan_rows(e)
     assert [(r.layer, r.phases) for r in rows] == [(1, (0, 1)), (1, (2,)), (3, (1, 2))]
-    assert rows[1].terms == (("a", 2.0), ("b", 1.0))
+    assert rows[1].terms == (("a", 2.0, "add"), ("b", 1.0, "add"))
 
 
 def test_encode_decode_round_trip_and_salt():

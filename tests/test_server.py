@@ -544,6 +544,43 @@ def test_steering_object_forms(http: httpx.Client) -> None:
     assert text(pinned) == text(on)
 
 
+def test_steering_ops_over_http(server: Server, http: httpx.Client) -> None:
+    """Entries with an ``op``: applied (a changed answer), echoed with their op (body and
+    header), each op its own prefix-cache key; ablating a zero vector is a 400 naming it."""
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    v = "tiny/v1/recall"
+    entries = [
+        {"vector": v, "layer": 1, "scale": 1.0, "op": "ablate"},
+        {"vector": v, "layer": 2, "scale": 0.5, "positions": "generated", "op": "interp"},
+        {"vector": "tiny/v1/translation", "layer": 2, "scale": 2.0},
+        {"vector": v, "layer": 3, "scale": 1.0, "positions": "generated", "op": "replace"},
+    ]
+    plain = chat(http, EN, steering=False)
+    steered = chat(http, EN, steering={"entries": entries})
+    echo = steered["steering"]["interventions"]
+    assert [(i["op"], i["layer"], i["scale"]) for i in echo] == [
+        ("ablate", 1, 1.0), ("interp", 2, 0.5), ("add", 2, 2.0), ("replace", 3, 1.0)
+    ]  # fmt: skip
+    assert text(steered) != text(plain)
+    as_add = chat(http, EN, steering={"entries": [e | {"op": "add"} for e in entries]})
+    assert [i["op"] for i in as_add["steering"]["interventions"]] == ["add"] * 4
+    assert text(as_add) != text(steered)
+    on = chat(http, EN, steering=True)  # an artifact's entries name their op too
+    assert {i["op"] for i in on["steering"]["interventions"]} == {"add"}
+    backend = server.app.state.steer.backend
+    loop = server.server.servers[0].get_loop()
+    asyncio.run_coroutine_threadsafe(backend.register("raw/zero", torch.zeros(64)), loop).result(60)
+    zero = {"vector": "raw/zero", "layer": 1, "scale": 1.0}
+    r = http.post("/v1/chat/completions", json=chat_body(EN, steering={"entries": [zero]}))
+    assert r.status_code == 200 and text(r.json()) == text(plain)  # adding nothing is allowed
+    r = http.post("/v1/chat/completions",
+                  json=chat_body(EN, steering={"entries": [zero | {"op": "ablate"}]}))  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "steering.entries[0].vector"
+    assert "ablate needs a non-zero vector" in err["message"]
+
+
 def test_ab_endpoint(http: httpx.Client) -> None:
     body = chat_body(FR, temperature=0.9, seed=1234, n=2)
     r = http.post("/v1/chat/completions/ab", json=body)
@@ -637,6 +674,42 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
         400,
         "positions",
         "steering.entries[0].positions",
+    ),
+    (
+        "entry op",
+        {
+            "steering": {
+                "entries": [{"vector": "tiny/v1/recall", "layer": i} for i in (1, 2)]
+                + [{"vector": "tiny/v1/recall", "layer": 1, "op": "rotate"}]
+            }
+        },
+        400,
+        "'rotate' is not one of add, ablate, replace, interp",
+        "steering.entries[2].op",
+    ),
+    (
+        "entry interp alpha",
+        {
+            "steering": {
+                "entries": [{"vector": "tiny/v1/recall", "layer": 1, "op": "interp", "scale": 1.5}]
+            }
+        },  # fmt: skip
+        400,
+        "1.5 is outside [0, 1] for op 'interp'",
+        "steering.entries[0].scale",
+    ),
+    (
+        "entry op scale not finite",
+        {
+            "steering": {
+                "entries": [
+                    {"vector": "tiny/v1/recall", "layer": 1, "op": "ablate", "scale": 1e400}
+                ]
+            }
+        },  # fmt: skip
+        400,
+        "must be finite",
+        "steering.entries[0].scale",
     ),
     ("unknown artifact", {"steering": {"artifact": "other"}}, 400, "not loaded", None),
     (

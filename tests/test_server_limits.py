@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -224,6 +225,23 @@ def test_a_cap_above_the_engines_seats_is_refused() -> None:
     with pytest.raises(OptionError, match="between 1 and --max-num-seqs") as e:
         settings(ServeOptions(max_num_seqs=8, max_seqs_per_request=9))
     assert e.value.param == "--max-seqs-per-request"
+
+
+def test_ops_per_layer_reaches_the_engine_and_is_bounded(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--ops-per-layer sizes the engine's edit slots (0: additive only); more than the op rows
+    one request holds could never be used, and a negative count is no size: both refused."""
+    from steerserve.server.options import OptionError, ServeOptions, settings
+
+    monkeypatch.setattr("os.environ", dict(os.environ))  # settings() binds the CPU threads
+    model = tiny_llama
+    assert settings(ServeOptions(model=str(model), ops_per_layer=0)).engine.ops_per_layer == 0
+    assert settings(ServeOptions(model=str(model))).engine.ops_per_layer == 2
+    for bad in (-1, 5):
+        with pytest.raises(OptionError, match="between 0 and 4") as e:
+            settings(ServeOptions(model=str(model), ops_per_layer=bad))
+        assert e.value.param == "--ops-per-layer"
 
 
 def test_gemmas_reference_norm_counts_its_embedding_scale(

@@ -65,6 +65,27 @@ def policy() -> SteeringPolicy:
     return p
 
 
+def test_an_artifacts_ops_travel_through_true_auto_and_multipliers() -> None:
+    reg = VectorRegistry(8)
+    art = _artifact("v1", reg)
+    ivs = art.manifest.interventions
+    ivs = [ivs[0].model_copy(update={"op": "ablate"}),
+           ivs[1].model_copy(update={"op": "interp", "scale": 0.25})]  # fmt: skip
+    m = art.manifest.model_copy(update={"interventions": ivs})
+    p = Policy(reg, default="auto", max_abs_scale=10.0)
+    p.add(Artifact(m, art.tensors))
+    multipliers = {"interventions": {"recall": 1.0, "translation": 2.0}}
+    for raw, kw in ((True, {}), ("auto", {"language": "fr"}), (multipliers, {})):
+        d = p.resolve(raw, **kw)
+        assert [e.op for e in d.entries] == ["ablate", "interp"], raw
+        assert [i.op for i in d.info(True).interventions] == ["ablate", "interp"]
+    assert [e.scale for e in p.resolve({"interventions": {"translation": 4.0}}).entries] == [1.0]
+    with pytest.raises(ApiError, match=r"gives scale 1.25 \(calibrated 0.25\), which is outside"
+                       r" \[0, 1\] for op 'interp'") as e:  # fmt: skip
+        p.resolve({"interventions": {"translation": 5.0}})
+    assert e.value.param == "steering.interventions.translation"
+
+
 def test_modes(policy: SteeringPolicy) -> None:
     assert policy.resolve(False).entries == ()
     on = policy.resolve(True)

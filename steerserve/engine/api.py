@@ -18,8 +18,9 @@ import torch
 
 from steerserve import __version__
 from steerserve.engine import spec
-from steerserve.engine.archs import DEFAULT_ROWS_PER_REQUEST, SUPPORTED, steered_name
+from steerserve.engine.archs import SUPPORTED, steered_name
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
+from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class EngineConfig:
     steering: bool = True  # False: a stock engine without the plugin (for comparisons)
     steerable_layers: list[int] | None = None
     rows_per_request: int = DEFAULT_ROWS_PER_REQUEST
+    # non-additive entries (ablate, replace, interp) one request may stack on a layer; 0 keeps
+    # their kernel out of the engine (additive steering only)
+    ops_per_layer: int = DEFAULT_OPS_PER_LAYER
     max_abs_scale: float = spec.DEFAULT_MAX_ABS_SCALE
     max_entries: int = spec.DEFAULT_MAX_ENTRIES
     extra: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +111,7 @@ def engine_kwargs(cfg: EngineConfig, shape: ModelShape) -> dict[str, Any]:
             "steerserve": {
                 "version": __version__,
                 "rows_per_request": cfg.rows_per_request,
+                "ops_per_layer": cfg.ops_per_layer,
                 "layers": cfg.steerable_layers,
             }
         }
@@ -156,6 +161,7 @@ class Admission:
             max_abs_scale=self.cfg.max_abs_scale,
             max_entries=self.cfg.max_entries,
             rows_per_request=self.cfg.rows_per_request,
+            ops_per_layer=self.cfg.ops_per_layer,
             field=field,
         )
         if not entries:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
+
 logger = logging.getLogger(__name__)
 
 #: stock architecture -> "module:Class" in vLLM
@@ -25,7 +27,6 @@ SUPPORTED: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "vllm.model_executor.models.gemma3_mm:Gemma3ForConditionalGeneration",
 }
 PREFIX = "Steered"
-DEFAULT_ROWS_PER_REQUEST = 4
 
 
 def steered_name(arch: str) -> str:
@@ -76,6 +77,7 @@ class SteeringMixin:
             device=device,
             # CPU has no graphs; on GPU only eager mode is safe (graphs capture a skip).
             skip_idle=device.type == "cpu" or bool(vllm_config.model_config.enforce_eager),
+            ops_per_layer=int(opts.get("ops_per_layer", DEFAULT_OPS_PER_LAYER)),
         )
         self.steering.attach(decoder.layers, owned)
         if not vllm_config.use_v2_model_runner:

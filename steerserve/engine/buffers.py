@@ -6,9 +6,15 @@ Device buffers (allocated once, before the first forward, updated in place only)
   running steered request) owns rows ``1 + (s-1)*R .. s*R``, so the pool can never overflow.
 * ``index`` int32 ``[num_layers, max_tokens]``: for each layer, the pool row each token of the
   current step adds. 0 = untouched.
+* the other operations (``engine/ops.py`` rows that are not additive), with ``K =
+  ops_per_layer`` slots: ``op_rows`` float32 ``[1 + S*R, 2H + 2]`` (u, c, a, b), one row per
+  non-additive entry of a running request (slot ``s`` owns rows as in ``pool``), row 0 the
+  identity; ``op_index`` int32 ``[num_layers, K, max_tokens]``: per layer and slot, the row each
+  token applies (0: none).
 
-Per step the host computes ``index`` with numpy (no Python per token) and copies it in one go; the
-op then does ``hidden + pool[index[layer, :T]]`` on every steerable layer.
+Per step the host computes the indexes with numpy (no Python per token) and copies them in one go;
+the ops then do ``steer_edit`` (if any slot) and ``hidden + pool[index[layer, :T]]`` on every
+steerable layer (``engine/op.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from steerserve.engine.ops import OPS
 from steerserve.engine.spec import (
+    DEFAULT_OPS_PER_LAYER,
     EXTRA_ARGS_KEY,
     PHASE_GENERATED,
     PHASE_LAST_PROMPT,
     PHASE_PROMPT,
     decode,
+    plan_ops,
     plan_rows,
 )
 
@@ -48,6 +57,7 @@ class SteeringState:
         rows_per_request: int,
         device: torch.device | str,
         skip_idle: bool = True,
+        ops_per_layer: int = DEFAULT_OPS_PER_LAYER,
     ) -> None:
         self.num_layers = num_layers
         self.hidden_size = hidden_size
@@ -68,6 +78,7 @@ class SteeringState:
             self.index.numpy() if self._shared else np.zeros((num_layers, max_num_tokens), np.int32)
         )
         self._hw = np.zeros(num_layers, np.int64)  # per layer: entries [hw:] are known to be zero
+        self._top = self._op_top = 0  # the most of _hw and _op_hw: 0, nothing to clear
         self.vectors: dict[str, torch.Tensor] = {}
         self.digests: dict[str, str] = {}
         self.hooked_layers: list[int] = []
@@ -77,6 +88,27 @@ class SteeringState:
         self._free = list(range(max_num_seqs, 0, -1))
         self._slot_rows = np.zeros((num_layers, max_num_seqs + 1, 3), np.int32)
         self._layer_users = np.zeros(num_layers, np.int64)  # running requests steering it
+        # the non-additive ops: rows, their slots, their per-token index (see the module doc)
+        self.ops_per_layer = k = ops_per_layer
+        n_rows = 1 + max_num_seqs * rows_per_request
+        self.op_rows = torch.zeros(n_rows, 2 * hidden_size + 2, device=self.device)
+        self.op_rows[0, -2] = 1.0  # row 0: the identity (a = 1)
+        self.op_index = torch.zeros(
+            num_layers, k, max_num_tokens, dtype=torch.int32, device=self.device
+        )
+        self._op_host = (
+            self.op_index.numpy()
+            if self._shared
+            else np.zeros((num_layers, k, max_num_tokens), np.int32)
+        )
+        self._op_hw = np.zeros(num_layers, np.int64)
+        self._slot_ops = np.zeros((num_layers, k, max_num_seqs + 1, 3), np.int32)
+        self._op_users = np.zeros(num_layers, np.int64)
+        # per layer and slot, the op slots its request fills; per layer, the most any live one
+        # does (eager forwards run only those: a skip that, like the idle one, graphs never see)
+        self._slot_depth = np.zeros((num_layers, max_num_seqs + 1), np.int64)
+        self._op_depth = np.zeros(num_layers, np.int64)
+        self._slot_op_layers: dict[int, list[int]] = {}  # only slots whose request has ops
         # Eager forwards skip the op on a layer no running request steers (x + 0 is x); off
         # where a CUDA graph might be captured outside torch.compile (it would bake the skip in).
         self.skip_idle = skip_idle
@@ -86,23 +118,35 @@ class SteeringState:
         """Give each owned decoder layer its buffers and the hook that calls the op."""
         from steerserve.engine import op
 
-        users, compiling = self._layer_users, torch.compiler.is_compiling
+        users, depth, compiling = self._layer_users, self._op_depth, torch.compiler.is_compiling
+        edits = self.ops_per_layer > 0  # static: 0 keeps steer_edit out of the graph
 
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
-            # Traced (compile), the op always stays in the graph: a branch would be baked in.
-            traced = compiling()
-            if not traced and self.skip_idle and not users[module.steer_layer]:
+            hidden, residual = output  # vLLM keeps the stream split: add to hidden only
+            if compiling():  # traced, the ops always stay in the graph: a branch would be baked in
+                if edits:
+                    hidden, residual = op.steer_edit(
+                        hidden, residual, module.steer_op_index, module.steer_op_rows
+                    )
+                return op.steer_add(hidden, module.steer_index, module.steer_pool), residual
+            i, every = module.steer_layer, not self.skip_idle
+            if not (every or users[i] or depth[i]):
                 return output  # idle layer: what the stock layer returned, no op, no copy
-            hidden, residual = output  # vLLM keeps the stream split; add to hidden only
-            # Eager: the op's kernel without the dispatcher's ~10 µs a call; same arithmetic.
-            add = op.steer_add if traced else op._steer_add
-            return add(hidden, module.steer_index, module.steer_pool), residual
+            # Eager: the ops' kernels without the dispatcher's ~10 µs a call; same arithmetic.
+            if edits and (every or depth[i]):
+                index = module.steer_op_index if every else module.steer_op_index[: depth[i]]
+                hidden, residual = op._steer_edit(hidden, residual, index, module.steer_op_rows)
+            if every or users[i]:
+                hidden = op._steer_add(hidden, module.steer_index, module.steer_pool)
+            return hidden, residual
 
         for i in layer_ids:
             layer = layers[i]
             layer.steer_layer = i
             layer.register_buffer("steer_index", self.index[i], persistent=False)
             layer.register_buffer("steer_pool", self.pool, persistent=False)
+            layer.register_buffer("steer_op_index", self.op_index[i], persistent=False)
+            layer.register_buffer("steer_op_rows", self.op_rows, persistent=False)
             layer.register_forward_hook(hook)
             self.hooked_layers.append(i)
 
@@ -134,12 +178,25 @@ class SteeringState:
                 self._unsteered.add(rid)
 
     def admit(self, rid: str, spec: object) -> None:
-        """Give a steered request a slot and materialise its delta rows."""
-        rows = plan_rows(decode(spec))
-        if len(rows) > self.rows_per_request:
+        """Give a steered request a slot and materialise its delta rows and op rows."""
+        entries = decode(spec)
+        rows, ops = plan_rows(entries), plan_ops(entries)
+        if len(rows) > self.rows_per_request or len(ops) > self.rows_per_request:
             raise RuntimeError(
-                f"request {rid}: steering needs {len(rows)} rows > {self.rows_per_request}; "
-                "it should have been refused at admission"
+                f"request {rid}: steering needs {len(rows)} delta rows and {len(ops)} op rows, "
+                f"the engine holds {self.rows_per_request} of each; it should have been refused "
+                "at admission"
+            )
+        k_max = max((k + 1 for p in ops for _, k in p.slots), default=0)
+        if k_max > self.ops_per_layer:
+            raise RuntimeError(
+                f"request {rid}: {k_max} non-additive entries on one layer > "
+                f"{self.ops_per_layer}; it should have been refused at admission"
+            )
+        missing = [e.vector for e in entries if e.vector not in self.vectors]
+        if missing:
+            raise RuntimeError(
+                f"request {rid}: vector {missing[0]!r} is not registered in the worker"
             )
         if not self._free:
             raise RuntimeError("steering: no free slot (more running requests than max_num_seqs)")
@@ -147,22 +204,32 @@ class SteeringState:
         base = 1 + (slot - 1) * self.rows_per_request
         layers: list[int] = []
         for k, row in enumerate(rows):
-            missing = [n for n, _ in row.terms if n not in self.vectors]
-            if missing:
-                self._free.append(slot)
-                raise RuntimeError(
-                    f"request {rid}: vector {missing[0]!r} is not registered in the worker"
-                )
             delta = torch.zeros(self.hidden_size, dtype=torch.float32, device=self.device)
-            for name, scale in row.terms:
-                delta += scale * self.vectors[name]
+            for name, scale, op_name in row.terms:
+                delta += OPS[op_name].delta(self.vectors[name], scale)  # type: ignore[misc]
             self.pool[base + k].copy_(delta)
             self._slot_rows[row.layer, slot, list(row.phases)] = base + k
             if row.layer not in layers:
                 layers.append(row.layer)
+        op_layers: list[int] = []
+        for j, p in enumerate(ops):
+            affine = OPS[p.op].affine
+            assert affine is not None  # plan_ops keeps non-additive ops only, each has one
+            a, b, u, c = affine(self.vectors[p.vector], p.scale)
+            self.op_rows[base + j].copy_(torch.cat([u, c, u.new_tensor([a, b])]))
+            for phase, k in p.slots:
+                self._slot_ops[p.layer, k, slot, phase] = base + j
+                self._slot_depth[p.layer, slot] = max(self._slot_depth[p.layer, slot], k + 1)
+            if p.layer not in op_layers:
+                op_layers.append(p.layer)
         self._layer_users[layers] += 1
+        self._op_users[op_layers] += 1
+        if op_layers:
+            self._op_depth[:] = self._slot_depth.max(1)
         self._slot_of[rid] = slot
         self._slot_layers[slot] = layers
+        if op_layers:
+            self._slot_op_layers[slot] = op_layers
 
     def release_if_present(self, rid: str) -> None:
         if rid in self._slot_of:
@@ -171,8 +238,14 @@ class SteeringState:
     def _release(self, rid: str) -> None:
         slot = self._slot_of.pop(rid)
         layers = self._slot_layers.pop(slot)
+        op_layers = self._slot_op_layers.pop(slot, [])
         self._slot_rows[:, slot, :] = 0
         self._layer_users[layers] -= 1
+        if op_layers:
+            self._slot_ops[:, :, slot, :] = 0
+            self._slot_depth[:, slot] = 0
+            self._op_depth[:] = self._slot_depth.max(1)
+            self._op_users[op_layers] -= 1
         self._free.append(slot)
 
     # ---- per step -----------------------------------------------------------------------------
@@ -183,20 +256,18 @@ class SteeringState:
         num_computed: np.ndarray,
         num_prompt: np.ndarray,
     ) -> None:
-        """Fill ``index`` for a batch whose request ``i`` owns tokens
+        """Fill the indexes for a batch whose request ``i`` owns tokens
         ``query_start_loc[i]:query_start_loc[i+1]`` (positions from ``num_computed[i]`` on)."""
-        active = np.flatnonzero(self._layer_users)
-        stale = np.flatnonzero(self._hw)
-        if active.size == 0 and stale.size == 0:
-            return
+        if not (self._slot_of or self._top or self._op_top):
+            return  # idle: nothing steered now, nothing written last step
         n = len(req_ids)
         total = int(query_start_loc[n]) if n else 0
         if total > self.max_num_tokens:
             raise RuntimeError(
                 f"steering: {total} tokens in a step > buffer of {self.max_num_tokens}"
             )
-        written = np.zeros(self.num_layers, np.int64)
-        if active.size and total:
+        tok_slot = phase = None
+        if self._slot_of and total:
             slots = np.fromiter((self._slot_of.get(r, 0) for r in req_ids), np.int64, n)
             counts = np.diff(query_start_loc[: n + 1])
             tok_req = np.repeat(np.arange(n), counts)
@@ -207,33 +278,67 @@ class SteeringState:
                 PHASE_GENERATED,
                 np.where(pos == plen - 1, PHASE_LAST_PROMPT, PHASE_PROMPT),
             )
-            self._host[active, :total] = self._slot_rows[active][:, slots[tok_req], phase]
+            tok_slot = slots[tok_req]
+        top = self._fill(self._host, self._hw, self._layer_users, self._slot_rows, tok_slot, phase)
+        op_top = 0
+        if self._op_top or self._slot_op_layers:
+            op_top = self._fill(
+                self._op_host, self._op_hw, self._op_users, self._slot_ops, tok_slot, phase
+            )
+        self._push(max(top, self._top), max(op_top, self._op_top))
+        self._top, self._op_top = top, op_top
+
+    @staticmethod
+    def _fill(
+        host: np.ndarray,
+        hw: np.ndarray,
+        users: np.ndarray,
+        table: np.ndarray,
+        tok_slot: np.ndarray | None,
+        phase: np.ndarray | None,
+    ) -> int:
+        """Write one index (``host[layer, ..., token]`` from ``table[layer, ..., slot, phase]``)
+        on the layers some running request uses, zero what the last step left beyond it
+        elsewhere, and keep ``hw``; returns how far this step wrote."""
+        written = np.zeros(len(hw), np.int64)
+        active = np.flatnonzero(users)
+        if active.size and tok_slot is not None:
+            total = len(tok_slot)
+            host[active, ..., :total] = table[active][..., tok_slot, phase]
             written[active] = total
-        for layer in np.flatnonzero(self._hw > written):
-            self._host[layer, written[layer] : self._hw[layer]] = 0
-        top = int(max(self._hw.max(), written.max()))
-        self._hw = written
-        self._push(top)
+        for layer in np.flatnonzero(hw > written):
+            host[layer, ..., written[layer] : hw[layer]] = 0
+        hw[:] = written
+        return int(written.max())
 
     def reset(self) -> None:
-        """Zero the index (dummy, profile and capture runs see no steering)."""
-        top = int(self._hw.max())
+        """Zero the indexes (dummy, profile and capture runs see no steering)."""
+        top, op_top = self._top, self._op_top
         if top:
             self._host[:, :top] = 0
             self._hw[:] = 0
-            self._push(top)
+        if op_top:
+            self._op_host[:, :, :op_top] = 0
+            self._op_hw[:] = 0
+        self._top = self._op_top = 0
+        self._push(top, op_top)
 
-    def _push(self, upto: int) -> None:
-        if self._shared or upto == 0:
+    def _push(self, upto: int, op_upto: int = 0) -> None:
+        if self._shared:
             return
-        src = torch.from_numpy(np.ascontiguousarray(self._host[:, :upto])).pin_memory()
-        self.index[:, :upto].copy_(src, non_blocking=True)
+        if upto:
+            src = torch.from_numpy(np.ascontiguousarray(self._host[:, :upto])).pin_memory()
+            self.index[:, :upto].copy_(src, non_blocking=True)
+        if op_upto:
+            src = torch.from_numpy(np.ascontiguousarray(self._op_host[:, :, :op_upto]))
+            self.op_index[:, :, :op_upto].copy_(src.pin_memory(), non_blocking=True)
 
     def info(self) -> dict:
         return {
             "hooked_layers": list(self.hooked_layers),
             "vectors": dict(self.digests),
             "rows_per_request": self.rows_per_request,
+            "ops_per_layer": self.ops_per_layer,
             "max_num_seqs": self.max_num_seqs,
             "max_num_tokens": self.max_num_tokens,
             "live_steered": len(self._slot_of),

@@ -1,8 +1,13 @@
-"""The steering op: ``torch.ops.steerserve.steer_add``.
+"""The steering ops: ``torch.ops.steerserve.steer_add`` and ``torch.ops.steerserve.steer_edit``.
 
-A registered custom op (with a fake implementation) so torch.compile keeps it as an opaque call
-instead of tracing a Python hook away, and CUDA graphs capture it: it reads only persistent buffers,
-never syncs with the host and never branches on tensor values.
+Registered custom ops (with fake implementations) so torch.compile keeps them as opaque calls
+instead of tracing a Python hook away, and CUDA graphs capture them: they read only persistent
+buffers, never sync with the host and never branch on tensor values; their shapes depend only
+on the step's token count and the engine's static sizes.
+
+``steer_add`` is the additive fast path (``add`` entries, summed into a delta pool row);
+``steer_edit`` is every other operation of ``engine/ops.py``, each an affine map of the stream.
+On a layer the hook runs ``steer_edit`` first, then ``steer_add`` (the order ``ops.py`` states).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.library import Library
 
-_LIB = Library("steerserve", "FRAGMENT")  # keep alive: the op lives as long as this object
+_LIB = Library("steerserve", "FRAGMENT")  # keep alive: the ops live as long as this object
 
 
 def _steer_add(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
@@ -28,8 +33,40 @@ def _steer_add_fake(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tenso
     return torch.empty_like(hidden)
 
 
+def _steer_edit(
+    hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-additive ops on a layer's split stream ``h = hidden + residual`` (vLLM's layers
+    return the two halves): for each op slot ``k`` in order, ``h = a·h − b·(h·u)·u + c`` with
+    ``rows[index[k, t]] = (u, c, a, b)`` (``[2H + 2]``, float32).
+
+    ``index`` ``[K, max_tokens]`` is the layer's per-slot row buffer (a token's slots fill from
+    0; row 0 is the identity, ``a = 1``, the rest 0). The stream is formed and edited in float32;
+    an edited token comes out as ``(h.to(dtype), 0)``, every other one as its own ``(hidden,
+    residual)``, bit for bit.
+    """
+    n, size = hidden.shape[0], hidden.shape[-1]
+    idx = index[:, :n]
+    h = torch.add(hidden.float(), residual)  # float32, residual promoted as it is read
+    for k in range(idx.shape[0]):  # K is static: a loop the graph unrolls
+        r = rows.index_select(0, idx[k])
+        u, c, a, b = r[:, :size], r[:, size : 2 * size], r[:, -2:-1], r[:, -1:]
+        h = a * h - b * (h * u).sum(-1, keepdim=True) * u + c
+    edited = (idx[0] != 0).unsqueeze(-1)  # slot 0 is set wherever any slot is
+    return torch.where(edited, h.to(hidden.dtype), hidden), torch.where(edited, 0.0, residual)
+
+
+def _steer_edit_fake(
+    hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(hidden), torch.empty_like(residual)
+
+
+_OPS = {"steer_add": (_steer_add, _steer_add_fake), "steer_edit": (_steer_edit, _steer_edit_fake)}
+
+
 def _register() -> str:
-    """Register the op once and say with what: vLLM's low-overhead registration where vLLM is
+    """Register the ops once and say with what: vLLM's low-overhead registration where vLLM is
     installed (the engine), plain ``torch.library`` where it is not (a bare PyTorch machine)."""
     if hasattr(torch.ops.steerserve, "steer_add"):
         return "existing"
@@ -40,9 +77,8 @@ def _register() -> str:
             raise
         _register_with_torch()
         return "torch.library"
-    direct_register_custom_op(
-        "steer_add", _steer_add, mutates_args=[], fake_impl=_steer_add_fake, target_lib=_LIB
-    )
+    for name, (fn, fake) in _OPS.items():
+        direct_register_custom_op(name, fn, mutates_args=[], fake_impl=fake, target_lib=_LIB)
     return "vllm"
 
 
@@ -50,15 +86,22 @@ def _register_with_torch() -> None:
     """The schema, kernel and fake that vLLM's registration gives, for CPU and CUDA alike."""
     from torch.library import infer_schema, register_fake
 
-    _LIB.define("steer_add" + infer_schema(_steer_add, mutates_args=()))
-    for key in ("CPU", "CUDA"):
-        _LIB.impl("steer_add", _steer_add, key)
-    register_fake("steerserve::steer_add", _steer_add_fake, lib=_LIB)
+    for name, (fn, fake) in _OPS.items():
+        _LIB.define(name + infer_schema(fn, mutates_args=()))
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, fn, key)
+        register_fake(f"steerserve::{name}", fake, lib=_LIB)
 
 
-#: Who registered the op in this process: "vllm", "torch.library" or "existing".
+#: Who registered the ops in this process: "vllm", "torch.library" or "existing".
 REGISTERED_WITH = _register()
 
 
 def steer_add(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return torch.ops.steerserve.steer_add(hidden, index, pool)
+
+
+def steer_edit(
+    hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.steerserve.steer_edit(hidden, residual, index, rows)

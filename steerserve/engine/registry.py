@@ -6,6 +6,7 @@ was validated against a name can never meet other data in the worker.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterator
@@ -30,8 +31,8 @@ class RegisteredVector:
     sha256: str
     source: str | None = None
 
-    @property
-    def norm(self) -> float:
+    @functools.cached_property
+    def norm(self) -> float:  # admission asks on every request that ablates it
         return float(self.tensor.norm())
 
 

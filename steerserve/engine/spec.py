@@ -3,20 +3,13 @@
 Shared by the front end (validation, encoding, salting) and the worker (decoding, row planning),
 so both sides agree on what an entry means.
 
-The steering vocabulary, in one place: the engine knows one operation, *add* ``scale * v`` to
-the output of block ``layer`` on the tokens ``positions`` selects (:data:`POSITIONS`). The
-research runner speaks a superset (``research/runner.py``, ``Edit``): the same addition
-(``entry_edits`` turns entries into edits with these position semantics) plus ``replace``
-(h <- v) and ``interp`` (h <- (1 - a) h + a v) at the last prompt token, which only the lab uses.
-Adding an operation to the engine (or promoting a research edit) touches, in order:
-
-1. here: a field of :class:`SteeringEntry`, its check in :func:`entry`/:func:`validate`, its
-   wire form in :func:`encode`/:func:`decode` and :func:`cache_salt` (a new meaning must not
-   share a prefix cache with the old);
-2. the worker: ``engine/buffers.py`` (rows and pools per layer) and the op, ``engine/op.py``;
-3. the oracle: ``research/reference.py`` (plain forward hooks), which tests/test_engine_*.py
-   hold the engine to, and ``research/runner.py``'s ``Edit``/``entry_edits`` for the lab;
-4. the request: ``server/steering.py`` (the typed ``steering`` value) and ``server/policy.py``.
+An entry applies its operation (``op``, a row of ``engine/ops.py``: ``add``, ``ablate``,
+``replace``, ``interp``) with ``scale`` and ``vectors[vector]`` to the output of block ``layer``
+on the tokens ``positions`` selects (:data:`POSITIONS`). What an operation means, its scale bounds
+and whether it folds into the additive delta pool are the registry's; this module checks entries
+against it, plans the worker's rows (:func:`plan_rows` for the additive delta, :func:`plan_ops`
+for the other kernel) and encodes. Adding an operation is a row in ``engine/ops.py``: nothing
+here changes (an ``op`` other than ``add`` is encoded and salted by name already).
 """
 
 from __future__ import annotations
@@ -27,6 +20,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
 
 #: Key of the steering spec in ``SamplingParams.extra_args``.
 EXTRA_ARGS_KEY = "steerserve"
@@ -44,27 +39,45 @@ POSITIONS: dict[str, tuple[int, ...]] = {
 
 DEFAULT_MAX_ABS_SCALE = 64.0
 DEFAULT_MAX_ENTRIES = 16
+#: Delta rows (and op rows) one running request holds in the worker's buffers.
+DEFAULT_ROWS_PER_REQUEST = 4
+#: Non-additive entries one request may stack on one layer and token (``steer_edit``'s slots).
+DEFAULT_OPS_PER_LAYER = 2
 
 
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
-    """Add ``scale * vectors[vector]`` to the residual stream at the output of decoder block
-    ``layer`` (0-based; transformers' ``hidden_states[layer + 1]``) on the tokens ``positions``
-    selects."""
+    """Apply ``op`` (default: add ``scale * vectors[vector]``) to the residual stream at the
+    output of decoder block ``layer`` (0-based; transformers' ``hidden_states[layer + 1]``) on
+    the tokens ``positions`` selects."""
 
     vector: str
     layer: int
     scale: float
     positions: str = "all"
+    op: str = DEFAULT_OP
 
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
-    """One delta row a request needs: at ``layer``, on ``phases``, the sum of ``terms``."""
+    """One delta row a request needs: at ``layer``, on ``phases``, the sum of ``terms``' deltas
+    (``(vector, scale, op)``, each additive: ``OPS[op].delta``)."""
 
     layer: int
     phases: tuple[int, ...]
-    terms: tuple[tuple[str, float], ...]
+    terms: tuple[tuple[str, float, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpPlan:
+    """One non-additive entry's kernel row: at ``layer``, ``op`` with ``vector`` and ``scale``,
+    in op slot ``k`` of each ``(phase, k)`` it steers (slots apply in order, ``engine/op.py``)."""
+
+    layer: int
+    op: str
+    vector: str
+    scale: float
+    slots: tuple[tuple[int, int], ...]
 
 
 class SteeringError(ValueError):
@@ -77,7 +90,7 @@ class SteeringError(ValueError):
         self.reason = reason
 
 
-ENTRY_FIELDS = frozenset({"vector", "layer", "scale", "positions"})
+ENTRY_FIELDS = frozenset({"vector", "layer", "scale", "positions", "op"})
 
 
 def finite_number(v: Any) -> float | None:
@@ -99,7 +112,7 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
     if isinstance(item, SteeringEntry):
         return item
     if not isinstance(item, Mapping):
-        raise SteeringError(field, "must be an object with vector, layer, scale, positions")
+        raise SteeringError(field, "must be an object with vector, layer, scale, positions, op")
     unknown = set(item) - ENTRY_FIELDS
     if unknown:
         raise SteeringError(f"{field}.{sorted(unknown)[0]}", "unknown field")
@@ -124,7 +137,35 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
         raise SteeringError(
             f"{field}.positions", f"{short_repr(pos)} is not one of {', '.join(POSITIONS)}"
         )
-    return SteeringEntry(vec, layer, scale, pos)
+    op = item.get("op", DEFAULT_OP)
+    if not isinstance(op, str) or op not in OPS:
+        raise SteeringError(f"{field}.op", f"{short_repr(op)} is not one of {', '.join(OPS)}")
+    e = SteeringEntry(vec, layer, scale, pos, op)
+    check_op(e, field)
+    return e
+
+
+def check_op(e: SteeringEntry, field: str) -> None:
+    """The registry's word on an entry's op: known, served by the engine, its scale in range."""
+    op = OPS.get(e.op)
+    if op is None:
+        raise SteeringError(f"{field}.op", f"{short_repr(e.op)} is not one of {', '.join(OPS)}")
+    if not op.engine:
+        raise SteeringError(
+            f"{field}.op",
+            f"{e.op!r} is not implemented by the engine; it serves {', '.join(engine_ops())}",
+        )
+    why = op.scale_refusal(e.scale)
+    if why is not None:
+        raise SteeringError(f"{field}.scale", f"{e.scale} {why}")
+
+
+def _is_zero(v: Any) -> bool:
+    """Whether a registered vector (or a tensor) has norm 0; a stand-in without a norm is not."""
+    n = getattr(v, "norm", None)
+    if callable(n):
+        n = n()
+    return n is not None and float(n) == 0.0
 
 
 def short_repr(v: Any, limit: int = 60) -> str:
@@ -144,6 +185,7 @@ def validate(
     max_abs_scale: float = DEFAULT_MAX_ABS_SCALE,
     max_entries: int = DEFAULT_MAX_ENTRIES,
     rows_per_request: int | None = None,
+    ops_per_layer: int | None = None,
     field: str = "steering",
 ) -> tuple[SteeringEntry, ...]:
     """Turn raw entries (dicts, checked by :func:`entry`, or :class:`SteeringEntry`) into entries
@@ -167,10 +209,13 @@ def validate(
             raise SteeringError(f"{f}.layer", f"{e.layer} is out of range 0..{num_layers - 1}")
         if steerable is not None and e.layer not in steerable:
             raise SteeringError(f"{f}.layer", f"layer {e.layer} is not steerable on this engine")
+        check_op(e, f)
         if abs(e.scale) > max_abs_scale:
             raise SteeringError(
                 f"{f}.scale", f"{e.scale} is outside [-{max_abs_scale}, {max_abs_scale}]"
             )
+        if OPS[e.op].needs_direction and _is_zero(vectors[e.vector]):
+            raise SteeringError(f"{f}.vector", f"{e.op} needs a non-zero vector; {e.vector!r} is 0")
         out.append(e)
     if len(out) > max_entries:
         raise SteeringError(field, f"{len(out)} entries, at most {max_entries} allowed")
@@ -182,7 +227,36 @@ def validate(
                 f"needs {need} distinct (layer, positions) deltas, the engine holds "
                 f"{rows_per_request} per request",
             )
+        need = sum(not OPS[e.op].additive for e in out)
+        if need > rows_per_request:
+            raise SteeringError(
+                field,
+                f"needs {need} non-additive entries, the engine holds {rows_per_request} "
+                "per request",
+            )
+    if ops_per_layer is not None:
+        _check_op_slots(out, ops_per_layer, field)
     return tuple(out)
+
+
+def _check_op_slots(entries: Sequence[SteeringEntry], ops_per_layer: int, field: str) -> None:
+    """Refuse more non-additive entries on one layer and token phase than the engine's slots."""
+    used: dict[tuple[int, int], int] = {}
+    for i, e in enumerate(entries):
+        if OPS[e.op].additive:
+            continue
+        if ops_per_layer == 0:
+            raise SteeringError(
+                f"{field}[{i}].op", "this engine serves additive steering only (ops_per_layer 0)"
+            )
+        for ph in POSITIONS[e.positions]:
+            used[e.layer, ph] = used.get((e.layer, ph), 0) + 1
+            if used[e.layer, ph] > ops_per_layer:
+                raise SteeringError(
+                    f"{field}[{i}].op",
+                    f"more than {ops_per_layer} non-additive entries on layer {e.layer} at the "
+                    "same tokens; the engine applies at most that many per layer",
+                )
 
 
 def first_steered(entries: Sequence[SteeringEntry]) -> int | None:
@@ -196,17 +270,20 @@ def first_steered(entries: Sequence[SteeringEntry]) -> int | None:
 
 
 def plan_rows(entries: Sequence[SteeringEntry]) -> list[RowPlan]:
-    """Group entries into the delta rows the worker materialises: per layer, the phases that see
-    the same set of entries share one row (the sum of those entries' ``scale * vector``)."""
+    """Group the additive entries into the delta rows the worker materialises: per layer, the
+    phases that see the same set of entries share one row (the sum of their ``scale * vector``)."""
     by_layer: dict[int, list[SteeringEntry]] = {}
     for e in entries:
-        by_layer.setdefault(e.layer, []).append(e)
+        if OPS[e.op].additive:
+            by_layer.setdefault(e.layer, []).append(e)
     rows: list[RowPlan] = []
     for layer in sorted(by_layer):
-        groups: dict[tuple[tuple[str, float], ...], list[int]] = {}
+        groups: dict[tuple[tuple[str, float, str], ...], list[int]] = {}
         for phase in (PHASE_PROMPT, PHASE_LAST_PROMPT, PHASE_GENERATED):
             terms = tuple(
-                (e.vector, e.scale) for e in by_layer[layer] if phase in POSITIONS[e.positions]
+                (e.vector, e.scale, e.op)
+                for e in by_layer[layer]
+                if phase in POSITIONS[e.positions]
             )
             if terms:
                 groups.setdefault(terms, []).append(phase)
@@ -214,10 +291,32 @@ def plan_rows(entries: Sequence[SteeringEntry]) -> list[RowPlan]:
     return rows
 
 
+def plan_ops(entries: Sequence[SteeringEntry]) -> list[OpPlan]:
+    """The non-additive entries as kernel rows, in entry order: on each phase an entry steers,
+    it takes the next op slot of its layer (so on one layer and token they apply in order)."""
+    used: dict[tuple[int, int], int] = {}
+    out: list[OpPlan] = []
+    for e in entries:
+        if OPS[e.op].additive:
+            continue
+        slots = []
+        for ph in POSITIONS[e.positions]:
+            k = used.get((e.layer, ph), 0)
+            used[e.layer, ph] = k + 1
+            slots.append((ph, k))
+        out.append(OpPlan(e.layer, e.op, e.vector, e.scale, tuple(slots)))
+    return out
+
+
 def encode(entries: Sequence[SteeringEntry]) -> str:
-    """Compact JSON for ``extra_args`` (a flat string, so it also survives ``vllm_xargs``)."""
+    """Compact JSON for ``extra_args`` (a flat string, so it also survives ``vllm_xargs``); an
+    ``add`` entry has 4 fields, another op a 5th, its name."""
     return json.dumps(
-        [[e.vector, e.layer, e.scale, e.positions] for e in entries], separators=(",", ":")
+        [
+            [e.vector, e.layer, e.scale, e.positions, *(() if e.op == DEFAULT_OP else (e.op,))]
+            for e in entries
+        ],
+        separators=(",", ":"),
     )
 
 
@@ -236,11 +335,12 @@ def decode(value: Any) -> tuple[SteeringEntry, ...]:
                     int(item["layer"]),
                     float(item.get("scale", 1.0)),
                     str(item.get("positions", "all")),
+                    str(item.get("op", DEFAULT_OP)),
                 )
             )
         else:
-            v, layer, s, p = item
-            out.append(SteeringEntry(str(v), int(layer), float(s), str(p)))
+            v, layer, s, p, *op = item
+            out.append(SteeringEntry(str(v), int(layer), float(s), str(p), *map(str, op)))
     return tuple(out)
 
 
@@ -254,12 +354,14 @@ def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> 
     the blocks before it are shared (``engine/prefix.py``).
 
     ``digests`` maps vector names to a content hash, so a different vector under the same name
-    can never reuse cached KV.
+    can never reuse cached KV; an op other than ``add`` is hashed by name, so it never shares
+    KV with ``add`` (an ``add`` entry hashes as it did before ops existed).
     """
     h = hashlib.sha256()
     for e in entries:
+        op = "" if e.op == DEFAULT_OP else f"|{e.op}"
         h.update(
-            f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions};".encode()
+            f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions}{op};".encode()
         )
     start = first_steered(entries)
     return SALT_PREFIX + h.hexdigest()[:32] + ("" if start is None else f":{start}")

@@ -1,10 +1,11 @@
 """Plain transformers steering with forward hooks: the correctness oracle for the vLLM plugin, and
 the transformers backend of extraction and evaluation.
 
-Same semantics as the engine: an entry at layer L adds ``scale * v`` to the output of decoder block L
+Same semantics as the engine: an entry at layer L applies its op (``engine/ops.py``: the row's
+``reference``, the same function the research runner applies) to the output of decoder block L
 (transformers' ``hidden_states[L + 1]``) on the tokens its ``positions`` selects, where a token's
 phase is prompt (before the last prompt token), last prompt token, or generated (position >= prompt
-length).
+length); on one layer in the registry's order (``ops.ordered``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from steerserve.engine.ops import OPS, ordered
 from steerserve.engine.spec import (
     PHASE_GENERATED,
     PHASE_LAST_PROMPT,
@@ -40,7 +42,7 @@ def steering_hooks(
     vectors: Mapping[str, torch.Tensor],
     masks: torch.Tensor | None = None,
 ) -> Iterator[dict]:
-    """Add the entries while the context is open.
+    """Apply the entries while the context is open.
 
     ``masks`` (optional, bool ``[3, batch, seq]`` per phase) says which tokens are in which phase;
     set ``ctx["masks"]`` inside the context to change it between forwards. Without masks every token
@@ -48,25 +50,31 @@ def steering_hooks(
     """
     layers = decoder_layers(model)
     ctx: dict = {"masks": masks}
-    handles = []
-    for e in entries:
-        v = vectors[e.vector]
-        wanted = POSITIONS[e.positions]
+    by_layer: dict[int, list[SteeringEntry]] = {}
+    for e in ordered(entries):
+        by_layer.setdefault(e.layer, []).append(e)
 
-        def hook(module, args, output, v=v, e=e, wanted=wanted):  # noqa: ANN001
-            h = output[0] if isinstance(output, tuple) else output
-            m = ctx["masks"]
-            if m is None:
-                if PHASE_PROMPT not in wanted:
-                    return output
-                sel = torch.ones(h.shape[:-1], dtype=torch.bool, device=h.device)
-            else:
-                sel = m[list(wanted)].any(0).to(h.device)
-            delta = (e.scale * v.to(torch.float32)).to(h.dtype)
-            h = h + sel.unsqueeze(-1).to(h.dtype) * delta
-            return (h, *output[1:]) if isinstance(output, tuple) else h
+    def selected(e: SteeringEntry, h: torch.Tensor) -> torch.Tensor | None:
+        m, wanted = ctx["masks"], POSITIONS[e.positions]
+        if m is None:
+            if PHASE_PROMPT not in wanted:
+                return None
+            return torch.ones(h.shape[:-1], dtype=torch.bool, device=h.device)
+        return m[list(wanted)].any(0).to(h.device)
 
-        handles.append(layers[e.layer].register_forward_hook(hook))
+    def hook(module, args, output, here):  # noqa: ANN001
+        h = output[0] if isinstance(output, tuple) else output
+        for e in here:
+            sel = selected(e, h)
+            if sel is not None:
+                v = vectors[e.vector].to(device=h.device, dtype=torch.float32)
+                h = torch.where(sel.unsqueeze(-1), OPS[e.op].reference(h, v, e.scale), h)
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    handles = [
+        layers[layer].register_forward_hook(lambda mod, a, out, here=here: hook(mod, a, out, here))
+        for layer, here in by_layer.items()
+    ]
     try:
         yield ctx
     finally:

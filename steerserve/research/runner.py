@@ -3,8 +3,8 @@
 Why here and not through the engine: the experiments need the teacher-forced log P of the gold
 answer and the block states, which a serving engine does not expose. Edits act on the output of
 decoder block L (= transformers ``hidden_states[L + 1]``), the engine's convention, and speak
-the engine's entry vocabulary (``entry_edits``; see ``engine/spec.py`` on adding an operation)
-plus two research-only kinds at the last prompt token (``replace``, ``interp``). The prompt
+the engine's entry vocabulary: an edit's ``kind`` is an operation of ``engine/ops.py`` applied by
+its reference, and ``entry_edits`` turns engine entries into edits. The prompt
 minus its last token is run once per batch and its KV cache reused by every edit (exact: an
 edit at the last prompt token cannot change earlier tokens' keys and values), so a layer sweep
 costs a few one-token forwards per item, not a full forward.
@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from steerserve.chat import chat_ids, reply_separator
+from steerserve.engine.ops import DEFAULT_OP, OPS, ordered
+from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT, POSITIONS
 from steerserve.research.analyze import answer_sep
 from steerserve.research.hf import decoder_layers, left_padded
 from steerserve.research.records import form_of
@@ -120,12 +122,12 @@ def decided(text: str, rec: Mapping[str, Any]) -> bool:
 
 @dataclass
 class Edit:
-    """An edit at the output of block ``layer``: at the last prompt token ``replace`` (h <- v),
-    ``add`` (h <- h + alpha v) or ``interp`` (h <- (1 - alpha) h + alpha v); with ``gen`` also
-    h <- h + alpha v at every later token (the engine's ``last_prompt_and_generated``); with
-    ``prompt`` also at every earlier prompt token (``all``); without ``at_last`` nothing at the
-    last prompt token (``generated``). ``vec`` is ``[H]`` (one vector) or ``[N, H]`` (row i for
-    item i of the run)."""
+    """An edit at the output of block ``layer``: the operation ``kind`` (a row of
+    ``engine/ops.py``: ``add`` h <- h + alpha v, ``ablate``, ``replace`` h <- alpha v, ``interp``
+    h <- (1 - alpha) h + alpha v) at the last prompt token (``at_last``), at every later token
+    (``gen``) and at every earlier prompt token (``prompt``): the engine's ``positions`` are
+    ``all`` (all three), ``last_prompt_and_generated`` and ``generated``. ``vec`` is ``[H]`` (one
+    vector) or ``[N, H]`` (row i for item i of the run)."""
 
     name: str
     layer: int
@@ -136,33 +138,28 @@ class Edit:
     prompt: bool = False
     at_last: bool = True
 
-    def _v(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.vec if self.vec.dim() == 1 else self.vec[rows]
+    def __post_init__(self) -> None:
+        if self.kind not in OPS:
+            raise ValueError(f"unknown edit kind {self.kind!r}; one of {', '.join(OPS)}")
+
+    def _apply(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        v = self.vec if self.vec.dim() == 1 else self.vec[rows]
+        if v.dim() == 2 and h.dim() == 3:  # one vector per row, over its positions
+            v = v.unsqueeze(1)
+        return OPS[self.kind].reference(h, v.to(device=h.device, dtype=torch.float32), self.alpha)
 
     def last(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if not self.at_last:
-            return h
-        v = self._v(rows).to(h.dtype)
-        if self.kind == "replace":
-            return v.expand_as(h).clone()
-        if self.kind == "add":
-            return h + self.alpha * v
-        if self.kind == "interp":
-            return (1 - self.alpha) * h + self.alpha * v
-        raise ValueError(f"unknown edit kind {self.kind!r}")
-
-    def _added(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        v = self._v(rows).to(h.dtype)
-        return h + self.alpha * (v.view(1, 1, -1) if v.dim() == 1 else v.unsqueeze(1))
+        return self._apply(h, rows) if self.at_last else h
 
     def later(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._added(h, rows) if self.gen else h
+        return self._apply(h, rows) if self.gen else h
 
     def early(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._added(h, rows) if self.prompt else h
+        return self._apply(h, rows) if self.prompt else h
 
 
-#: What one pass applies: nothing, one edit, or several (added up, in order, like engine entries).
+#: What one pass applies: nothing, one edit, or several (on one layer in the registry's order,
+#: ``ops.ordered``, like engine entries).
 Step = Edit | Sequence[Edit] | None
 
 
@@ -174,22 +171,30 @@ def step_name(step: Step) -> str:
     return "+".join(e.name for e in edits_of(step)) or "none"
 
 
+def _kind(e: Edit) -> str:
+    return e.kind
+
+
 def entry_edits(entries: Sequence[Any], vectors: Mapping[str, torch.Tensor]) -> tuple[Edit, ...]:
-    """Engine steering entries (``SteeringEntry``: vector, layer, scale, positions) as one step
-    of additive edits with the engine's position semantics."""
-    return tuple(
-        Edit(
-            f"{e.vector}@{e.layer}x{e.scale:g}/{e.positions}",
-            e.layer,
-            "add",
-            vectors[e.vector].float(),
-            e.scale,
-            gen=True,
-            prompt=e.positions == "all",
-            at_last=e.positions != "generated",
+    """Engine steering entries (``SteeringEntry``) as one step of edits, their phases the
+    engine's (``POSITIONS``)."""
+    out = []
+    for e in entries:
+        ph = POSITIONS[e.positions]
+        op = "" if e.op == DEFAULT_OP else f"{e.op}:"
+        out.append(
+            Edit(
+                f"{op}{e.vector}@{e.layer}x{e.scale:g}/{e.positions}",
+                e.layer,
+                e.op,
+                vectors[e.vector].float(),
+                e.scale,
+                gen=PHASE_GENERATED in ph,
+                prompt=PHASE_PROMPT in ph,
+                at_last=PHASE_LAST_PROMPT in ph,
+            )
         )
-        for e in entries
-    )
+    return tuple(out)
 
 
 class Hooks:
@@ -211,9 +216,7 @@ class Hooks:
     def _hook(self, i: int) -> Callable[..., Any]:
         def f(module: Any, args: Any, output: Any) -> Any:  # noqa: ARG001
             h = output[0] if isinstance(output, tuple) else output
-            for e in self.edits:
-                if e.layer != i:
-                    continue
+            for e in ordered((e for e in self.edits if e.layer == i), _kind):
                 if self.phase == "last":
                     h = h.clone()
                     h[:, -1] = e.last(h[:, -1], self.rows)

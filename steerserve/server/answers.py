@@ -19,6 +19,7 @@ class AppliedIntervention(BaseModel):
     layer: int
     scale: float
     positions: str
+    op: str = Field(description="the operation applied (engine/ops.py): add, ablate, ...")
 
 
 class ExperimentInfo(BaseModel):

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.state import ServerSettings
 from steerserve.server.steering import DEFAULT_MODE, MODES
@@ -57,6 +58,7 @@ class ServeOptions:
     ab_log: str | None = None
     ab_log_content: bool = False
     max_seqs_per_request: int | None = None  # None: half of max_num_seqs (defaults.py)
+    ops_per_layer: int = DEFAULT_OPS_PER_LAYER
 
 
 def check_experiment(split: float, name: str, log: str | None) -> None:
@@ -100,6 +102,12 @@ def settings(opts: ServeOptions) -> ServerSettings:
         raise OptionError(f"--steering must be off, on or auto, not {opts.steering!r}", None)
     check_experiment(opts.ab_split, opts.ab_name, opts.ab_log)
     check_seqs_per_request(opts.max_seqs_per_request, opts.max_num_seqs)
+    if not 0 <= opts.ops_per_layer <= DEFAULT_ROWS_PER_REQUEST:  # a request holds no more
+        raise OptionError(
+            f"--ops-per-layer must be between 0 and {DEFAULT_ROWS_PER_REQUEST}, "
+            f"not {opts.ops_per_layer}",
+            "--ops-per-layer",
+        )
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -149,4 +157,5 @@ def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (Engine
         pipeline_parallel_size=opts.pipeline_parallel_size,
         distributed_executor_backend=opts.distributed_executor_backend,
         enforce_eager=enforce_eager,
+        ops_per_layer=opts.ops_per_layer,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from steerserve.artifacts import Artifact, artifact_name_version, named
+from steerserve.engine.ops import OPS
 from steerserve.engine.spec import SteeringEntry
 from steerserve.server.answers import AppliedIntervention, SteeringInfo
 from steerserve.server.errors import ApiError
@@ -217,6 +218,13 @@ class SteeringPolicy:
                     f"outside [-{self.max_abs_scale:g}, {self.max_abs_scale:g}]",
                     param=f,
                 )
+            why = OPS[iv.op].scale_refusal(scale)
+            if why is not None:
+                raise ApiError(
+                    f"{f}: multiplier {m:g} gives scale {scale:g} (calibrated {iv.scale:g}), "
+                    f"which {why}",
+                    param=f,
+                )
         return art.entries(multipliers)
 
     def _decision(
@@ -243,4 +251,5 @@ class SteeringPolicy:
             layer=e.layer,
             scale=e.scale,
             positions=e.positions,
+            op=e.op,
         )

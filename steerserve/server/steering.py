@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
 from steerserve.engine.spec import (
     POSITIONS,
     SteeringEntry,
@@ -33,7 +34,7 @@ from steerserve.engine.spec import (
 
 STEERING_DOC = (
     'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
-    '| {"entries": [{"vector", "layer", "scale", "positions"}]}; absent: the server default'
+    '| {"entries": [{"vector", "layer", "scale", "positions", "op"}]}; absent: the server default'
 )
 MODES = ("off", "on", "auto")
 #: The server's default for requests without ``steering`` (``--steering``): off, because no
@@ -42,23 +43,47 @@ MODES = ("off", "on", "auto")
 #: (``"steering": "auto"``), per experiment (``--ab-split``) or per server (``--steering auto``).
 DEFAULT_MODE = "off"
 
-_ENTRY_SCHEMA = {
-    "type": "object",
-    "title": "SteeringEntry",
-    "additionalProperties": False,
-    "required": ["vector", "layer"],
-    "properties": {
-        "vector": {"type": "string", "minLength": 1, "description": "a registered vector"},
-        "layer": {
-            "type": "integer",
-            "minimum": 0,
-            "maximum": 2**31 - 1,  # spec.entry's bound; the engine's own is its block count
-            "description": "0-based decoder block (its output)",
+
+def _entry_schema() -> dict[str, Any]:
+    """An entry's JSON schema, from the engine's vocabulary: ``positions`` and ``op`` (the ops the
+    engine serves, ``engine/ops.py``), each bounded op's scale range as an if/then."""
+    served = engine_ops()
+    bounded = [
+        {
+            "if": {"properties": {"op": {"const": name}}, "required": ["op"]},
+            "then": {"properties": {"scale": {"minimum": rng[0], "maximum": rng[1]}}},
+        }
+        for name in served
+        if (rng := OPS[name].scale_range) is not None
+    ]
+    schema: dict[str, Any] = {
+        "type": "object",
+        "title": "SteeringEntry",
+        "additionalProperties": False,
+        "required": ["vector", "layer"],
+        "properties": {
+            "vector": {"type": "string", "minLength": 1, "description": "a registered vector"},
+            "layer": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": 2**31 - 1,  # spec.entry's bound; the engine's own is its block count
+                "description": "0-based decoder block (its output)",
+            },
+            "scale": {"type": "number", "default": 1.0},
+            "positions": {"enum": list(POSITIONS), "default": "all"},
+            "op": {
+                "enum": list(served),
+                "default": DEFAULT_OP,
+                "description": "; ".join(f"{n}: {OPS[n].formula}" for n in served),
+            },
         },
-        "scale": {"type": "number", "default": 1.0},
-        "positions": {"enum": list(POSITIONS), "default": "all"},
-    },
-}
+    }
+    if bounded:
+        schema["allOf"] = bounded
+    return schema
+
+
+_ENTRY_SCHEMA = _entry_schema()
 #: The published JSON schema of ``steering`` (what clients send, before it is typed).
 STEERING_SCHEMA = {
     "description": STEERING_DOC,
@@ -144,7 +169,7 @@ class Multipliers(_Spec):
 
 def _entries(v: Any) -> tuple[SteeringEntry, ...]:
     if not isinstance(v, list) or not v:
-        raise _refuse("must be a non-empty list of {vector, layer, scale, positions}")
+        raise _refuse("must be a non-empty list of {vector, layer, scale, positions, op}")
     try:
         return tuple(entry(item, f"[{i}]") for i, item in enumerate(v))
     except SteeringError as e:

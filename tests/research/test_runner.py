@@ -81,6 +81,21 @@ def test_entries_equal_reference_steering(runner: Runner, positions: str) -> Non
         assert r["correct"] == score(text, rec["answers"], ["Paris"]).correct
 
 
+@pytest.mark.parametrize("positions", ["last_prompt_and_generated", "all", "generated"])
+@pytest.mark.parametrize(("op", "scale"), [("ablate", 1.0), ("replace", 0.5), ("interp", 0.4)])
+def test_every_op_equals_reference_steering(
+    runner: Runner, op: str, scale: float, positions: str
+) -> None:
+    """The runner applies an op through the registry's reference, as the oracle does, with an
+    add on the same layer after it (the stated order) whatever order they are listed in."""
+    g = torch.Generator().manual_seed(2)
+    vecs = {n: torch.randn(runner.model.config.hidden_size, generator=g) for n in ("v", "w")}
+    entries = [SteeringEntry("w", 1, 0.5, "all"), SteeringEntry("v", 1, scale, positions, op)]
+    (res,), _ = runner.run(RECORDS, [entry_edits(entries, vecs)], False, False)
+    for rec, r in zip(RECORDS, res, strict=True):
+        assert r["logp"] == pytest.approx(_forced_logp(runner, rec, entries, vecs), abs=1e-3)
+
+
 def test_decided_and_summary() -> None:
     paris = {"answers": ["Paris"], "answers_en": []}
     parigi = {"answers": ["Parigi"], "answers_en": ["Paris"]}
