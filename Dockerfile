@@ -2,7 +2,11 @@
 # steerserve, GPU image: the CUDA build of vLLM + steerserve + the shipped steering vectors.
 #
 #   docker build -t steerserve:gpu .
-#   docker run --gpus all -p 8000:8000 -v /srv/models/my-model:/models/model:ro steerserve:gpu
+#   docker run --gpus all --shm-size 8g -p 8000:8000 \
+#     -v /srv/models/my-model:/models/model:ro steerserve:gpu
+#
+# --shm-size: vLLM's processes share ring buffers in /dev/shm (and NCCL between tensor-parallel
+# workers); Docker's default 64 MB is too small.
 #
 # Weights are mounted at /models/model (STEERSERVE_MODEL), or baked in at build time with
 # --build-arg MODEL_ID=<hub id> (and --secret id=hf_token,env=HF_TOKEN for gated models).

@@ -44,3 +44,9 @@ test: setup lint
 
 serve: setup
 	$(BIN)/steerserve serve
+
+# The CPU image, built (docker, else podman) and checked as a user runs it: the documented run line,
+# /ready, a chat and an A/B request, a non-root server. ~20-30 min on 2 cores. deploy/README.md.
+.PHONY: image
+image:
+	deploy/build-image.sh

@@ -14,6 +14,14 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
+# pip's settings may come in as environment variables (deploy/Dockerfile.cpu passes its PIP_* build
+# args this way); a builder may set one it was not given to the empty string, which pip would take
+# as a value (an index named ""), so those are dropped.
+for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_TRUSTED_HOST PIP_CERT PIP_CONSTRAINT; do
+  if [[ -z "${!var:-}" ]]; then
+    unset "${var}"
+  fi
+done
 TARGET="${1:-.}"
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
 

@@ -37,7 +37,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 DOCKERFILES = {"gpu": ROOT / "Dockerfile", "cpu": DEPLOY / "Dockerfile.cpu"}
-SCRIPTS = [DEPLOY / "install-cpu.sh", ROOT / "bench" / "tp_check.sh"]
+SCRIPTS = [DEPLOY / "install-cpu.sh", DEPLOY / "build-image.sh", ROOT / "bench" / "tp_check.sh"]
+BAKE = DEPLOY / "bake-model.py"
+# pip's settings the CPU builder stage takes as build args (deploy/README.md, "Building behind a
+# mirror"); declared without a default, so that a builder sets none it was not given.
+PIP_BUILD_ARGS = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_FIND_LINKS",
+    "PIP_TRUSTED_HOST",
+    "PIP_CERT",
+    "PIP_CONSTRAINT",
+)
 IMAGE_UID = 10001
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -174,9 +185,14 @@ def test_image_promises(name: str) -> None:
     assert env["STEERSERVE_VECTORS_DIR"] == "/app/vectors"
     unknown = {k for k in env if k.startswith("STEERSERVE_")} - SERVE_ENV - OTHER_ENV
     assert not unknown, f"{path.name} sets variables steerserve does not read: {unknown}"
-    # Models are baked or converted as the serving user, so it owns what it writes.
-    bakes = [i for i, (op, a) in enumerate(final) if "resolve_model" in a or "hf download" in a]
-    assert bakes and min(bakes) > ops.index("USER")
+    if name == "gpu":
+        # Weights baked into the GPU image are downloaded as the serving user, who owns them.
+        bakes = [i for i, (op, a) in enumerate(final) if "hf download" in a]
+        assert bakes and min(bakes) > ops.index("USER")
+    else:
+        # The CPU model is made in the builder stage and copied in owned by root: the server
+        # reads it and cannot change it; nothing runs in the runtime stage.
+        assert "RUN" not in ops
 
 
 def test_gpu_image() -> None:
@@ -199,20 +215,81 @@ def test_gpu_image() -> None:
 
 
 def test_cpu_image_runs_the_shared_install_script() -> None:
+    from steerserve.models import DEFAULT_MODEL
+
     path = DOCKERFILES["cpu"]
     st = stages(path)
     assert args_of(path)["PYTHON_IMAGE"] == "python:3.11-slim"
-    builder_runs = " ".join(a for s in st[:-1] for op, a in s if op == "RUN")
-    assert "bash deploy/install-cpu.sh" in builder_runs
+    builder_runs = [a for s in st[:-1] for op, a in s if op == "RUN"]
+    joined = " ".join(builder_runs)
+    assert "bash deploy/install-cpu.sh" in joined
     assert args_of(path)["TORCH_CPU_INDEX"] == TORCH_CPU_INDEX
     assert f"TORCH_CPU_INDEX-{TORCH_CPU_INDEX}" in (DEPLOY / "install-cpu.sh").read_text()
+    # Install, then bake the served model (needs the chunk packages), then prune them and triton.
+    order = [
+        next(i for i, a in enumerate(builder_runs) if step in a)
+        for step in ("install-cpu.sh", "bake-model.py model", "bake-model.py prune")
+    ]
+    assert order == sorted(order) and len(set(order)) == 3, builder_runs
     final = st[-1]
-    assert not any("apt-get" in a or "pip " in a for op, a in final if op == "RUN")
-    assert any("resolve_model()" in a for op, a in final if op == "RUN"), "model converted at build"
+    assert not any(op == "RUN" for op, _ in final)
+    assert ("COPY", "--from=builder /opt/steerserve/models /opt/steerserve/models") in final
+    (served,) = [
+        a for op, a in instructions(path) if op == "ARG" and a.startswith("EMBEDDED_MODEL=")
+    ]
+    assert served == f"EMBEDDED_MODEL={DEFAULT_MODEL}"
     env = env_of([i for s in st for i in s])
-    assert env["STEERSERVE_MODEL"] == "default"
+    assert env["STEERSERVE_MODEL"] == "/opt/steerserve/models/${EMBEDDED_MODEL}"
     assert env["STEERSERVE_STEERING"] == "off"
     assert [a for op, a in final if op == "CMD"] == ['["--steering", "off"]']
+    # pip's settings: build args of the builder stage only, none with a default value.
+    builder = next(s for s in st if s[0][1].endswith(" AS builder"))
+    declared = [a for op, a in builder if op == "ARG"]
+    assert set(PIP_BUILD_ARGS) <= set(declared), declared
+    assert not [
+        a for s in st if s is not builder for op, a in s if a.startswith("PIP_") and op == "ARG"
+    ]
+    install = (DEPLOY / "install-cpu.sh").read_text()
+    assert all(v in install for v in PIP_BUILD_ARGS), "install-cpu.sh drops the empty ones"
+
+
+def load_bake() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bake_model", BAKE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bake_stores_bfloat16_and_keeps_the_fingerprint(tiny_llama: Path, tmp_path: Path) -> None:
+    """The CPU image's weights are bfloat16 but for the embedding, which the vectors' binding
+    hashes in float32 (deploy/bake-model.py): the model's fingerprint survives the shrink."""
+    import torch
+    from safetensors import safe_open
+
+    from steerserve.artifacts import fingerprint_model
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    before = fingerprint_model(folder)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    kept = load_bake().shrink(folder)
+    assert kept == ["model.embed_tokens.weight"]
+    assert fingerprint_model(folder) == before
+    dtypes = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            dtypes |= {k: st.get_slice(k).get_dtype() for k in st.keys()}
+    assert dtypes.pop("model.embed_tokens.weight") == "F32"
+    assert set(dtypes.values()) == {"BF16"}
+    assert sum(f.stat().st_size for f in folder.glob("*.safetensors")) < size
+    # transformers reads the mixed checkpoint back (the bake's logits check does, in float32).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 # --- the build context (.dockerignore) ---------------------------------------------------------
@@ -264,7 +341,8 @@ def context_files() -> list[str]:
 
 def test_build_context() -> None:
     files = set(context_files())
-    must = {"pyproject.toml", "deploy/install-cpu.sh", "steerserve/__init__.py"}
+    must = {"pyproject.toml", "deploy/install-cpu.sh", "deploy/bake-model.py"}
+    must.add("steerserve/__init__.py")
     must |= {"steerserve/engine/plugin.py", "steerserve/cli.py"}
     if (ROOT / "README.md").is_file():  # pyproject's readme
         must.add("README.md")
