@@ -36,7 +36,14 @@ BASE_TAG="${BASE_TAG:-localhost/steerserve-base:bookworm}"
 UPSTREAM_BASE="docker.io/library/python:3.11-slim"
 READY_TIMEOUT="${READY_TIMEOUT:-1200}"
 SHM_SIZE="1g"             # the documented run line's --shm-size
-MEMORY_LIMIT="${MEMORY_LIMIT:-10g}"  # compose's CPU limit (deploy/compose.yaml)
+# compose's CPU limit (deploy/compose.yaml): 10g where the server computes in bfloat16, the 14g
+# compose asks for where the CPU has no native bfloat16 and it computes in float32 (with 10g the
+# worker was OOM-killed loading the weights on an AVX2-only host).
+if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+  MEMORY_LIMIT="${MEMORY_LIMIT:-10g}"
+else
+  MEMORY_LIMIT="${MEMORY_LIMIT:-14g}"
+fi
 MODEL_NAME="qwen2.5-coder-1.5b-instruct"
 NAME="steerserve-image-check-$$"
 mkdir -p "${OUT}"
