@@ -79,6 +79,13 @@ def serve(
         "one layer. 0 serves additive steering only and keeps their kernel out of compiled "
         "graphs (GPU), where it otherwise runs on every steerable layer at every step.",
     ),
+    quantization: str = typer.Option(
+        "auto",
+        envvar="STEERSERVE_QUANTIZATION",
+        help="auto, none or w4: serve the embedded chat model's 4-bit weight-only checkpoint "
+        "(w4, computed in bfloat16) or its full-precision one (none). auto: w4 on a CPU where it "
+        "is measured faster (docs/benchmarks.md, '4-bit weights'), else none.",
+    ),
     tensor_parallel_size: int = typer.Option(
         1, envvar="STEERSERVE_TENSOR_PARALLEL_SIZE", help="GPUs per model replica (TP)."
     ),
@@ -176,7 +183,7 @@ def serve(
         max_num_seqs, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
         enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
-        max_seqs_per_request, ops_per_layer,
+        max_seqs_per_request, ops_per_layer, quantization,
     )  # fmt: skip
     try:
         settings = so.settings(opts)

@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -516,3 +517,34 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
         f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n{PERU}<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_conversion_writes_a_checked_4bit_checkpoint(fake, monkeypatch) -> None:
+    """With w4_group_size the conversion also writes the 4-bit checkpoint, checked against the
+    GGUF-loaded logits, bound to the same vectors (same fingerprint); a failed check of it
+    leaves nothing in the cache."""
+    from steerserve.artifacts import fingerprint_model
+
+    spec, _ = fake
+    w4_spec = dataclasses.replace(spec, w4_group_size=32)
+    monkeypatch.setitem(models.EMBEDDED, spec.name, w4_spec)
+    path = models.resolve_model(spec.name)
+    w4 = models.w4_dir(path)
+    assert w4 == path / models.W4_DIR and models.is_valid(path, w4_spec)
+    marker = models.read_marker(path)
+    assert marker["w4"]["group_size"] == 32 and marker["w4"]["check"]["passed"]
+    assert 0 < marker["w4"]["check"]["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]
+    cfg = json.loads((w4 / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "awq"
+    assert cfg["quantization_config"]["bits"] == 4
+    assert fingerprint_model(w4) == fingerprint_model(path)
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in w4.iterdir())  # shared cache
+    # without its 4-bit checkpoint the conversion is not trusted: it is rebuilt
+    shutil.rmtree(w4)
+    assert not models.is_valid(path, w4_spec)
+
+    shutil.rmtree(path)
+    monkeypatch.setattr(models, "W4_TOLERANCE", {"mean_kl": -1.0, "top1_changed": 1.0})
+    with pytest.raises(EmbeddedModelError, match="4-bit checkpoint is too far"):
+        models.resolve_model(spec.name)
+    assert cache_contents() == [f".{spec.name}.lock"]

@@ -253,3 +253,40 @@ def test_gemmas_reference_norm_counts_its_embedding_scale(
 
     ratio = embedding_norm(tiny_gemma) / embedding_norm(tiny_llama)
     assert 7 < ratio < 9, ratio
+
+
+def test_quantization_chooses_the_4bit_checkpoint_or_says_why_not(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--quantization w4 serves a model's 4-bit checkpoint (in bfloat16, under the model's own
+    name) or refuses, naming why; auto never fails to start: it falls back to full precision."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from steerserve import quantize as Q
+    from steerserve.models import W4_DIR
+    from steerserve.server.options import OptionError, ServeOptions, settings
+
+    monkeypatch.setattr("os.environ", dict(os.environ))  # settings() binds the CPU threads
+    with pytest.raises(OptionError, match="no 4-bit checkpoint") as e:
+        settings(ServeOptions(model=str(tiny_llama), quantization="w4"))
+    assert e.value.param == "--quantization"
+    assert settings(ServeOptions(model=str(tiny_llama))).engine.model == str(tiny_llama)
+    with pytest.raises(OptionError, match="auto, none, w4") as e:
+        settings(ServeOptions(model=str(tiny_llama), quantization="int4"))
+
+    model = tmp_path / "tiny-chat"
+    shutil.copytree(tiny_llama, model)
+    full = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    Q.write_checkpoint(Q.quantize_state(full.state_dict(), 32), model, model / W4_DIR, 32)
+    s = settings(ServeOptions(model=str(model), quantization="w4"))
+    assert (s.engine.model, s.engine.dtype) == (str(model / W4_DIR), "bfloat16")
+    assert s.served_model_name == "tiny-chat"
+    assert settings(ServeOptions(model=str(model), quantization="none")).engine.model == str(model)
+    assert (
+        settings(ServeOptions(model=str(model), quantization="w4", dtype="float16")).engine.dtype
+        == "float16"
+    )
+    with pytest.raises(OptionError, match="compute in bfloat16 or float16, not --dtype float32"):
+        settings(ServeOptions(model=str(model), quantization="w4", dtype="float32"))

@@ -12,6 +12,8 @@ from pathlib import Path
 #: ``dtype=auto`` (bfloat16 for a float32 checkpoint) is compute-bound: 1.9 vs 3.3 tokens/s.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
+#: CPU flags where ``--quantization auto`` serves 4-bit weights: measured faster there.
+W4_AUTO_FLAGS = BF16_FLAGS
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -34,6 +36,25 @@ def serve_dtype(dtype: str, on_gpu: bool, flags: set[str] | None = None) -> str:
         return dtype
     flags = cpu_flags() if flags is None else flags
     return dtype if any(f in flags for f in BF16_FLAGS) else "float32"
+
+
+#: ``--quantization`` choices: ``auto`` (4-bit where the CPU serves it faster), ``none`` (the
+#: full-precision checkpoint), ``w4`` (the 4-bit checkpoint, or an error).
+QUANTIZATIONS = ("auto", "none", "w4")
+#: The dtypes vLLM's 4-bit CPU kernel computes in (AutoAWQConfig.get_supported_act_dtypes).
+W4_DTYPES = ("bfloat16", "float16")
+
+
+def serve_w4(choice: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
+    """Whether ``--quantization choice`` serves the 4-bit checkpoint where there is one. ``auto``:
+    on a CPU with native bfloat16 (docs/benchmarks.md, "4-bit weights"); not on a GPU, which
+    has the bandwidth to serve the full model."""
+    if choice != "auto":
+        return choice == "w4"
+    if on_gpu:
+        return False
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in W4_AUTO_FLAGS)
 
 
 def core_list(cores: Iterable[int]) -> str:

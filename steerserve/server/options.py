@@ -59,6 +59,7 @@ class ServeOptions:
     ab_log_content: bool = False
     max_seqs_per_request: int | None = None  # None: half of max_num_seqs (defaults.py)
     ops_per_layer: int = DEFAULT_OPS_PER_LAYER
+    quantization: str = "auto"  # engine.cpu.QUANTIZATIONS
 
 
 def check_experiment(split: float, name: str, log: str | None) -> None:
@@ -111,10 +112,12 @@ def settings(opts: ServeOptions) -> ServerSettings:
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    engine = _engine_config(opts, _model_dir(opts.model))
     return ServerSettings(
-        engine=_engine_config(opts, _model_dir(opts.model)),
+        engine=engine,
         vectors_dir=opts.vectors_dir or default_vectors_dir(),
-        served_model_name=opts.served_model_name,
+        # the 4-bit checkpoint's folder is named w4: serve it under its model's name
+        served_model_name=opts.served_model_name or _w4_name(Path(engine.model)),
         api_key=opts.api_key or None,
         steering=opts.steering,
         max_seqs_per_request=opts.max_seqs_per_request,
@@ -136,12 +139,18 @@ def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (Engine
     import torch
 
     from steerserve.engine.api import EngineConfig
-    from steerserve.engine.cpu import bind_all_cores, serve_dtype
+    from steerserve.engine.cpu import W4_DTYPES, bind_all_cores, serve_dtype
 
     on_gpu = torch.cuda.is_available()
     enforce_eager = (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager
     if (chosen := serve_dtype(opts.dtype, on_gpu)) != opts.dtype:
         logger.info("dtype auto: %s (no native bfloat16 on this CPU)", chosen)
+    w4 = _w4_dir(opts, model_dir, on_gpu)
+    if w4 is not None:
+        model_dir = w4
+        if chosen not in W4_DTYPES:  # only auto gets here: an explicit float32 was refused
+            chosen = "bfloat16"
+        logger.info("serving 4-bit weights: %s, computed in %s", w4, chosen)
     ranks = opts.tensor_parallel_size * opts.pipeline_parallel_size
     if bound := bind_all_cores(os.environ, on_gpu, ranks):
         logger.info("VLLM_CPU_OMP_THREADS_BIND=%s (every core)", bound)
@@ -159,3 +168,37 @@ def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (Engine
         enforce_eager=enforce_eager,
         ops_per_layer=opts.ops_per_layer,
     )
+
+
+def _w4_name(model: Path) -> str | None:
+    """A 4-bit checkpoint (``<model>/w4``) is served under its model's name."""
+    from steerserve.models import w4_dir
+
+    return model.parent.name if w4_dir(model.parent) == model else None
+
+
+def _w4_dir(opts: ServeOptions, model_dir: Path, on_gpu: bool) -> Path | None:
+    """The 4-bit checkpoint to serve, or None for ``model_dir`` itself. ``w4`` that cannot be
+    honoured is an OptionError naming why; ``auto`` falls back to full precision, saying why."""
+    from steerserve.engine.cpu import QUANTIZATIONS, W4_DTYPES, serve_w4
+    from steerserve.models import w4_dir
+
+    if opts.quantization not in QUANTIZATIONS:
+        raise OptionError(
+            f"must be one of {', '.join(QUANTIZATIONS)}, not {opts.quantization!r}",
+            "--quantization",
+        )
+    if not serve_w4(opts.quantization, on_gpu):
+        return None
+    w4 = w4_dir(model_dir)
+    why = None
+    if w4 is None:
+        why = f"{model_dir} has no 4-bit checkpoint (written for the embedded chat model)"
+    elif opts.dtype not in ("auto", *W4_DTYPES):
+        why = f"4-bit weights compute in {' or '.join(W4_DTYPES)}, not --dtype {opts.dtype}"
+    if why and opts.quantization == "w4":
+        raise OptionError(why, "--quantization")
+    if why:
+        logger.info("quantization auto: full precision, %s", why)
+        return None
+    return w4
