@@ -498,6 +498,9 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
     check = marker["check"]
     assert marker["dtype"] == "float32" and check["passed"] and not check["bos"]
     assert check["max_abs_logit_diff"] <= check["tolerance"] == 1e-4
+    w4 = marker["w4"]["check"]  # its 4-bit sibling (steerserve.quantize), checked the same way
+    assert w4["passed"] and w4["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]
+    assert models.w4_dir(qwen_dir) == qwen_dir / models.W4_DIR
     cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and "quantization_config" not in cfg
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]) == (

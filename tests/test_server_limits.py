@@ -284,6 +284,11 @@ def test_quantization_chooses_the_4bit_checkpoint_or_says_why_not(
     assert (s.engine.model, s.engine.dtype) == (str(model / W4_DIR), "bfloat16")
     assert s.served_model_name == "tiny-chat"
     assert settings(ServeOptions(model=str(model), quantization="none")).engine.model == str(model)
+    # auto: full precision until 4-bit is measured faster on a CPU kind (none yet)
+    assert settings(ServeOptions(model=str(model))).engine.model == str(model)
+    monkeypatch.setattr("steerserve.engine.cpu.W4_AUTO_FLAGS", ("amx_bf16",))
+    monkeypatch.setattr("steerserve.engine.cpu.cpu_flags", lambda: {"amx_bf16"})
+    assert settings(ServeOptions(model=str(model))).engine.model == str(model / W4_DIR)
     assert (
         settings(ServeOptions(model=str(model), quantization="w4", dtype="float16")).engine.dtype
         == "float16"

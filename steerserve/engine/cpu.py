@@ -12,8 +12,12 @@ from pathlib import Path
 #: ``dtype=auto`` (bfloat16 for a float32 checkpoint) is compute-bound: 1.9 vs 3.3 tokens/s.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-#: CPU flags where ``--quantization auto`` serves 4-bit weights: measured faster there.
-W4_AUTO_FLAGS = BF16_FLAGS
+#: CPU flags where ``--quantization auto`` serves 4-bit weights: where it was measured faster.
+#: None yet (docs/benchmarks.md, "4-bit weights"): on an AVX-512 BF16 CPU without AMX (AMD EPYC
+#: Zen 4) vLLM's 4-bit kernel decodes at 166 ms/token vs 132 in bfloat16, a burst at 35 vs 72
+#: tokens/s: it reads a third of the bytes but is compute-bound. AMX (the kernel's "amx" path)
+#: is unmeasured, so not guessed.
+W4_AUTO_FLAGS: tuple[str, ...] = ()
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -47,8 +51,7 @@ W4_DTYPES = ("bfloat16", "float16")
 
 def serve_w4(choice: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
     """Whether ``--quantization choice`` serves the 4-bit checkpoint where there is one. ``auto``:
-    on a CPU with native bfloat16 (docs/benchmarks.md, "4-bit weights"); not on a GPU, which
-    has the bandwidth to serve the full model."""
+    on a CPU with one of W4_AUTO_FLAGS (where it was measured faster); never on a GPU."""
     if choice != "auto":
         return choice == "w4"
     if on_gpu:
