@@ -4,7 +4,7 @@ comments, deploy/README.md and README.md, and compose.yaml out of its YAML.
 
 What a real run needed (deploy/build-image.sh, podman 4.3): vLLM's server and engine share a
 160 MiB ring buffer in /dev/shm, and with Docker's default 64 MB the CPU server dies at start, so
-every run line sets --shm-size and compose sets shm_size; the CPU server measured 7.8 GB peak RSS
+every run line sets --shm-size and compose sets shm_size; the CPU server measured 8.3 GB peak RSS
 while serving, so compose's limit must stay above that, with the number written beside it.
 """
 
@@ -34,7 +34,7 @@ RUN_DOCS = [
 ]
 SERVICE = {"cpu": "steerserve-cpu", "gpu": "steerserve-gpu"}
 VLLM_SHM_NEED = 160 << 20  # "160 MiB required" (vLLM's message)
-MEASURED_PEAK = "7.8 GB"  # peak RSS of the CPU image serving the default model (issue 31)
+MEASURED_PEAK = "8.3 GB"  # peak RSS of the CPU image serving the default model (issue 31)
 MARGIN = 1.15  # the limit must exceed the measured peak by at least this factor
 
 
