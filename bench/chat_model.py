@@ -197,6 +197,15 @@ def child(spec: str, args: argparse.Namespace) -> None:
 # --- the parent: run arms, tabulate -------------------------------------------------------------
 
 
+def run_child(cmd: list[str], env: dict[str, str], spec: str) -> tuple[dict, str]:
+    """Run an arm's child process; its ``RESULT`` line as a dict, and its stdout + stderr."""
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{spec} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :]), p.stdout + p.stderr
+
+
 def run_arm(spec: str, args: argparse.Namespace) -> dict:
     bind = "auto" if spec == "start" else spec.split(":")[3]
     env = os.environ | _bind_env(bind)
@@ -205,13 +214,9 @@ def run_arm(spec: str, args: argparse.Namespace) -> dict:
     cmd += ["--requests", str(args.requests), "--vector-norm", str(args.vector_norm)]
     cmd += ["--cache", args.cache] if args.cache else []
     t = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{spec} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
-    out = json.loads(lines[-1][len("RESULT ") :])
+    out, log = run_child(cmd, env, spec)
     out["wall_s"] = time.perf_counter() - t
-    found = re.findall(r"core ids=\[[\d, ]*\]|reserved_cpus=\[[\d, ]*\]", p.stdout + p.stderr)
+    found = re.findall(r"core ids=\[[\d, ]*\]|reserved_cpus=\[[\d, ]*\]", log)
     out["binding"] = ", ".join(dict.fromkeys(found))
     print(f"done: {spec} in {out['wall_s']:.0f} s", flush=True)
     return out

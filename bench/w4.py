@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from chat_model import _bind_env, _rss_gib, write_docs  # noqa: E402
+from chat_model import _bind_env, _rss_gib, run_child, write_docs  # noqa: E402
 from overhead import _prompts  # noqa: E402
 
 DEFAULT_ARMS = "full:float32,full:bfloat16,w4:bfloat16"
@@ -143,14 +142,9 @@ def arm(spec: str, args: argparse.Namespace) -> dict:
 def run_arm(spec: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", spec, "--model", args.model]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
-    p = subprocess.run(
-        cmd, env=os.environ | _bind_env("both"), capture_output=True, text=True, timeout=3600
-    )
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{spec} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
+    out, _ = run_child(cmd, os.environ | _bind_env("both"), spec)
     print(f"done: {spec}", flush=True)
-    return json.loads(lines[-1][len("RESULT ") :])
+    return out
 
 
 def table(results: dict[str, list[dict]], gbs: float) -> str:

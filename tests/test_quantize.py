@@ -18,7 +18,7 @@ from _engine_helpers import MAX_TOKENS, prompts, run, vectors
 
 from steerserve import quantize as Q
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research.reference import device_of, phases, steering_hooks
+from steerserve.research.reference import greedy
 
 GROUP = 32
 W4_ATOL = 0.1
@@ -95,25 +95,12 @@ def test_the_checkpoint_keeps_the_fingerprint_and_is_a_third(tiny_llama: Path, w
     assert {k for k in Q.load_dequantized(w4).state_dict()} >= {"model.embed_tokens.weight"}
 
 
-@torch.no_grad()
-def forced(model, prompt: list[int], toks: list[int], entries, vecs) -> list[torch.Tensor]:
-    """The reference's log-probabilities at each of ``toks``' steps, ``toks`` fed back."""
-    ids, out = list(prompt), []
-    with steering_hooks(model, entries, vecs) as ctx:
-        for t in toks:
-            ph = phases(len(ids), len(prompt))
-            ctx["masks"] = torch.stack([ph == k for k in range(3)]).unsqueeze(1)
-            logits = model(torch.tensor([ids], device=device_of(model))).logits[0, -1].float()
-            out.append(torch.log_softmax(logits, -1))
-            ids.append(t)
-    return out
-
-
 def check(hf, eng, ps, steering) -> list:
     vecs = vectors(eng.shape.hidden_size)
     got = run(eng, ps, steering)
     for prompt, entries, (toks, lps) in zip(ps, steering, got, strict=True):
-        ref = forced(hf, prompt, toks, [SteeringEntry(**e) for e in entries or []], vecs)
+        steer = [SteeringEntry(**e) for e in entries or []]
+        _, ref = greedy(hf, prompt, len(toks), steer, vecs, forced=toks)
         assert len(toks) == MAX_TOKENS
         for t, lp, r in zip(toks, lps, ref, strict=True):
             assert float(r.max() - r[t]) <= W4_MARGIN, (entries, toks)

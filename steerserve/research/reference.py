@@ -89,20 +89,23 @@ def greedy(
     max_new_tokens: int,
     entries: Sequence[SteeringEntry] = (),
     vectors: Mapping[str, torch.Tensor] | None = None,
+    forced: Sequence[int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy decoding by full recomputation (simple and exact): returns the new token ids and the
-    log-probabilities (float32, full vocabulary) each was chosen from."""
+    log-probabilities (float32, full vocabulary) each was chosen from. With ``forced``, those
+    tokens are fed back instead of the argmax (teacher forcing: the reference's log-probabilities
+    along another decoder's tokens)."""
     ids = list(prompt_ids)
     p = len(ids)
     out, logps = [], []
     with steering_hooks(model, entries, vectors or {}) as ctx:
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             ph = phases(len(ids), p)
             ctx["masks"] = torch.stack([ph == k for k in range(3)]).unsqueeze(1)
             inp = torch.tensor([ids], device=device_of(model))
             logits = model(inp).logits[0, -1].to(torch.float32)
             lp = torch.log_softmax(logits, -1)
-            tok = int(lp.argmax())
+            tok = int(lp.argmax()) if forced is None else int(forced[i])
             out.append(tok)
             logps.append(lp)
             ids.append(tok)
