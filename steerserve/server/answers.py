@@ -1,13 +1,24 @@
-"""What the server answers: OpenAI's chat and completion responses (whole and streamed), each
-with the ``steering`` that was applied, and the listings of models and vectors."""
+"""What the server answers: vLLM's chat and completion responses (whole and streamed), each with
+the ``steering`` that was applied, and the listings of models and vectors."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse as _VChatResponse,
+)
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionStreamResponse as _VChatChunk,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponse as _VCompletionResponse,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponseChoice as _VCompletionChoice,
+)
 
 
 class AppliedIntervention(BaseModel):
@@ -47,114 +58,26 @@ class SteeringInfo(BaseModel):
         return json.dumps(self.model_dump(exclude_none=True), separators=(",", ":"))
 
 
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens read from the prefix cache, as vLLM's server reports them
+# --- the answers: vLLM's serving layer's shapes with our ``steering`` (documents and tests) ---------
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
+class ChatCompletion(_VChatResponse):
+    """vLLM's chat answer plus the ``steering`` that was applied."""
 
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int | None = None) -> Usage:
-        details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
-        return cls(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=details,
-        )
-
-
-def cached_tokens(outputs: Iterable[Any]) -> int:
-    """Prompt tokens the engine read from its prefix cache, over ``RequestOutput``s."""
-    return sum(o.num_cached_tokens or 0 for o in outputs if o is not None)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class _Answer(BaseModel):
-    """The fields (in their order) every answer and chunk has; subclasses narrow them."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[Any]
-    usage: Usage | None = None
-    steering: SteeringInfo | None = None
-
-
-class ChatCompletion(_Answer):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
     steering: SteeringInfo
 
 
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Answer):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChunkChoice]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
+class CompletionChoice(_VCompletionChoice):
     # the steering of this choice's prompt (``auto`` decides each prompt by its own language;
     # the answer's ``steering`` sums them up); in a stream, on the choice's first chunk
     steering: SteeringInfo | None = None
 
 
-class Completion(_Answer):
-    object: Literal["text_completion"] = "text_completion"
+class Completion(_VCompletionResponse):
+    """vLLM's completions answer plus the ``steering`` that was applied (and each prompt's)."""
+
     choices: list[CompletionChoice]
+    steering: SteeringInfo
 
 
 class ABResponse(BaseModel):
@@ -163,11 +86,12 @@ class ABResponse(BaseModel):
     identical: bool
 
 
-class ABChunk(ChatCompletionChunk):
+class ABChunk(_VChatChunk):
     """A streamed A/B answer's chunk: a chat chunk of one arm (its id ends in -a or -b, as in
     :class:`ABResponse`), which it names, since both arms are interleaved as they are generated."""
 
     arm: Literal["unsteered", "steered"]
+    steering: SteeringInfo | None = None
 
 
 class ArtifactInfo(BaseModel):

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from steerserve.server import endpoints, pages, pipeline
+from steerserve.server import endpoints, hosted, pages, pipeline
 from steerserve.server import protocol as P
 from steerserve.server.answers import (
     ABResponse,
@@ -37,6 +37,10 @@ from steerserve.server.answers import (
 from steerserve.server.errors import ApiError, ErrorResponse, allowed_methods, api_error
 from steerserve.server.guard import Guard
 from steerserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     VectorLoadRequest,
     openapi_body,
     openapi_components,
@@ -203,12 +207,37 @@ def _ops_router() -> APIRouter:
             return JSONResponse({"status": "failed", "error": str(s.load_error)}, 503)
         return JSONResponse({"status": "dead" if s.loaded else "loading"}, 503)
 
+    @r.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version`` (clients such as ``vllm bench serve`` read it), and ours."""
+        import vllm
+
+        from steerserve import __version__
+
+        return {"version": vllm.__version__, "steerserve": __version__}
+
     @r.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def metrics(request: Request) -> Response:
         m = _state(request).metrics
         return Response(m.render(), media_type=m.content_type)
 
     return r
+
+
+async def _tokenization(request: Request, model: type[BaseModel], method: str) -> Response:
+    """``/v1/tokenize`` and ``/v1/detokenize`` through vLLM's serving layer (its shapes)."""
+    s = _state(request)
+    req: Any = await read_request(request, model, s.settings.max_body_bytes)
+    req = getattr(req, "root", req)
+    pipeline.check(s, req.model or s.model_name)
+    assert s.serving is not None
+    try:
+        result = await getattr(s.serving.tokenization, method)(req, request)
+    except Exception as e:
+        raise (hosted.raised_error(e) or e) from None
+    if (err := hosted.answer_error(result)) is not None:
+        raise err
+    return JSONResponse(result.model_dump(mode="json"))
 
 
 def _v1_router() -> APIRouter:
@@ -234,6 +263,18 @@ def _v1_router() -> APIRouter:
     @r.post("/completions", **_route(P.CompletionRequest, Completion, True))
     async def completions(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.COMPLETIONS)
+
+    tokenize = _route(TokenizeRequest, TokenizeResponse)
+    tokenize["responses"].pop(404, None)
+
+    @r.post("/tokenize", **tokenize)
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's tokenization of a prompt or chat, as ``vllm serve`` answers it."""
+        return await _tokenization(request, TokenizeRequest, "create_tokenize")
+
+    @r.post("/detokenize", **_route(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize_route(request: Request) -> Response:
+        return await _tokenization(request, DetokenizeRequest, "create_detokenize")
 
     @r.get(
         "/steering/vectors",

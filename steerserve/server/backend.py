@@ -33,7 +33,6 @@ from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.server.drain import GRACE, Drain
 from steerserve.server.engine_exit import await_own_stop, engine_processes
 from steerserve.server.errors import ApiError
-from steerserve.server.tokens import Tokens
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +48,6 @@ class Backend:
         self.admission = Admission(cfg, self.shape)
         self.llm: Any = None
         self.tokenizer: Any = None
-        self.tokens: Tokens
         self.max_token_chars = 0  # of the longest token: a text this long x N is >= N tokens
         # Tokenization runs here, off the event loop; one thread, as a tokenizer is not safe to
         # call from several at once.
@@ -89,7 +87,6 @@ class Backend:
         if self.cfg.steering:
             check_workers(await llm.collective_rpc("steer_info"), self.cfg)
         self.tokenizer = llm.get_tokenizer()
-        self.tokens = Tokens(self.tokenizer)
         self.max_token_chars = await asyncio.to_thread(longest_token, self.tokenizer)
         self.llm = llm
 
@@ -131,52 +128,16 @@ class Backend:
     def vocab_size(self) -> int:
         return int(self.llm.model_config.get_vocab_size())
 
-    def sampling_params(self, req: Any, prompt_len: int, **kw: Any) -> Any:
-        """vLLM ``SamplingParams`` for a chat/completions request, refusing a prompt plus
-        completion longer than the context (400, OpenAI's ``context_length_exceeded``)."""
-        from vllm import SamplingParams
-
-        max_len = self.max_model_len
-        room = max_len - prompt_len
-        budget = req.token_budget()
-        if room <= 0 or (budget is not None and budget > room):
-            asked = prompt_len + (budget or 1)
-            raise ApiError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{asked} tokens ({prompt_len} in the prompt, {budget or 1} for the completion).",
-                param="max_tokens" if room > 0 else "messages",
-                code="context_length_exceeded",
-            )
-        try:
-            return SamplingParams(
-                n=req.n // copies(req),
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                max_tokens=budget or room,
-                stop=req.stop_list(),
-                seed=req.seed,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                ignore_eos=req.ignore_eos,
-                **kw,
-            )
-        except Exception as e:  # vLLM's own checks (ValueError / VLLMValidationError)
-            raise ApiError(str(e)) from None
-
     def prepare(self, entries: Sequence[Any] | None, field: str = "steering") -> Prepared:
         """Admit entries (``SteeringError`` naming the field under ``field``)."""
         return self.admission.prepare(entries, field=field)
 
     def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: Any,
-        prepared: Prepared,
-        request_id: str,
-        copies: int = 1,
+        self, prompt: Any, params: Any, prepared: Prepared, request_id: str, **kw: Any
     ) -> AsyncGenerator[Any, None]:
-        """Stream ``RequestOutput``s (each sample repeated ``copies`` times); closing or
-        cancelling the generator aborts the request. A steered request is computed with
+        """Stream ``RequestOutput``s of ``prompt`` (token ids or vLLM's engine input; ``kw``:
+        ``AsyncLLM.generate``'s); closing or cancelling the generator aborts the request. A
+        steered request is computed with
         logprobs (at least the top one) and fails with a 500 when a distribution is degenerate
         (:func:`_checked`); logprobs the client did not ask for are dropped."""
         asked = params.logprobs
@@ -184,12 +145,12 @@ class Backend:
             params = copy.copy(params)
             params.logprobs = 1
         gen = self.llm.generate(
-            make_prompt(prompt_ids, prepared), with_steering(params, prepared), request_id
+            make_prompt(prompt, prepared), with_steering(params, prepared), request_id, **kw
         )
         gen = _answered(gen)
         if prepared.steered:
             gen = _checked(gen, self.vocab_size, keep=asked is not None)
-        return gen if copies == 1 else _repeated(gen, copies)
+        return gen
 
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
@@ -218,23 +179,6 @@ class Backend:
                 if left := await asyncio.to_thread(await_own_stop, procs):
                     logger.info("%s not stopping by itself: vLLM stops it", ", ".join(left))
             await asyncio.to_thread(llm.shutdown)
-
-
-def copies(req: Any) -> int:
-    """How many times the engine's one sample is repeated: ``n`` for greedy requests with
-    n > 1 (vLLM refuses those; OpenAI answers n choices, identical by definition), else 1."""
-    return req.n if req.temperature == 0 and req.n > 1 else 1
-
-
-async def _repeated(gen: AsyncGenerator[Any, None], n: int) -> AsyncGenerator[Any, None]:
-    """``gen``'s outputs with each sample repeated as choices 0..n-1."""
-    try:
-        async for out in gen:
-            out = copy.copy(out)
-            out.outputs = [dataclasses.replace(o, index=i) for o in out.outputs for i in range(n)]
-            yield out
-    finally:
-        await gen.aclose()
 
 
 class EngineAborted(Exception):
@@ -327,6 +271,10 @@ def engine_error(e: BaseException, drain: Drain | None = None) -> ApiError:
         )
     from vllm.exceptions import GracefulHTTPError, VLLMClientError
 
+    from steerserve.server.hosted import raised_error
+
+    if (request_error := raised_error(e)) is not None:  # vLLM's serving layer refused it
+        return request_error
     if isinstance(e, GracefulHTTPError):
         return ApiError(e.message, status=int(e.http_status), type="service_unavailable")
     if isinstance(e, (VLLMClientError, ValueError)):

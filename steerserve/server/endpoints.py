@@ -1,28 +1,16 @@
-"""What differs between chat, completions and the A/B endpoint: the request schema, how prompts
-become token ids, how final engine outputs become an OpenAI answer, and which events stream
-one (``events.py``). The path every request takes (``pipeline.py``) is shared."""
+"""What differs between chat, completions and the A/B endpoint: the request schema, the checks
+before anything is rendered, the texts ``auto`` reads a language from, which of vLLM's serving
+calls answers, and where an answer carries its ``steering``. The path every request takes
+(``pipeline.py``) is shared; the answers' shapes are vLLM's (``hosted.py``)."""
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
-from pydantic import BaseModel
-
-from steerserve.chat import chat_ids
-from steerserve.server import answers as A
 from steerserve.server import protocol as P
 from steerserve.server.errors import ApiError
-from steerserve.server.events import (
-    ABEvents,
-    ArmOutput,
-    ChatEvents,
-    CompletionEvents,
-    Events,
-    Prompts,
-)
-from steerserve.server.logprobs import chat_logprobs, completion_logprobs
-from steerserve.server.tokens import Tokens
 
 MAX_PROMPTS = 128
 
@@ -41,27 +29,27 @@ class Endpoint:
     def sequences(self, req: Any) -> tuple[int, str, str]:
         """How many sequences the request runs, the product that gives it, and the field to
         lower: checked against the server's cap before anything is tokenized."""
-        return req.n, f"n {req.n}", "n"
+        n = req.n or 1
+        return n, f"n {n}", "n"
 
     def size(self, req: Any) -> tuple[int, int, str]:
         """(characters of text, token ids) of the largest prompt, and its field: checked
         against the context before anything is tokenized."""
         raise NotImplementedError
 
-    def prompts(self, req: Any, tokenizer: Any, vocab_size: int) -> Prompts:
+    def texts(self, req: Any, tokenizer: Any, vocab_size: int) -> list[str]:
+        """Per prompt, the text ``auto`` detects the language of (and the decision log keeps)."""
         raise NotImplementedError
 
-    def logprobs(self, req: Any) -> int | None:
-        """``SamplingParams.logprobs``."""
+    def serve(self, serving: Any) -> Any:
+        """vLLM's serving call for this endpoint (``create_chat_completion`` …)."""
         raise NotImplementedError
 
-    def answer(
-        self, req: Any, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
-    ) -> BaseModel:
-        """The response body from the final outputs of every arm."""
-        raise NotImplementedError
+    def echo(self, body: dict[str, Any], infos: list[Any], n: int) -> None:
+        """Put each prompt's ``steering`` (``infos``) into a collected answer's choices."""
 
-    events: type[Events]  # of a streamed answer
+    def echo_chunk(self, chunk: dict[str, Any], infos: list[Any], n: int, told: set[int]) -> None:
+        """The same for a streamed chunk: on a choice's first chunk (``told`` tracks them)."""
 
 
 class Chat(Endpoint):
@@ -70,50 +58,20 @@ class Chat(Endpoint):
     name = "chat"
     schema = P.ChatCompletionRequest
     id_prefix = "chatcmpl"
-    events = ChatEvents
+
+    def admit(self, req: P.ChatCompletionRequest) -> None:
+        super().admit(req)
+        if not req.messages:
+            raise ApiError("messages: must not be empty", param="messages")
 
     def size(self, req: P.ChatCompletionRequest) -> tuple[int, int, str]:
-        return sum(len(m.text()) for m in req.messages), 0, "messages"
+        return sum(map(len, req.texts())), 0, "messages"
 
-    def prompts(self, req: P.ChatCompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
-        try:
-            ids = chat_ids(tokenizer, messages)
-        except Exception as e:  # a template that refuses the conversation (e.g. role order)
-            raise ApiError(
-                f"messages: the chat template refused them: {e}", param="messages"
-            ) from None
-        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return Prompts([ids], [user], [user])
+    def texts(self, req: P.ChatCompletionRequest, tokenizer: Any, vocab_size: int) -> list[str]:
+        return [req.user_text()]
 
-    def logprobs(self, req: P.ChatCompletionRequest) -> int | None:
-        return (req.top_logprobs or 0) if req.logprobs else None
-
-    def completion(
-        self, req: P.ChatCompletionRequest, arm: ArmOutput, tokens: Tokens
-    ) -> A.ChatCompletion:
-        [out] = arm.outputs
-        choices = [
-            A.ChatChoice(
-                index=o.index,
-                message=A.AssistantMessage(content=o.text),
-                logprobs=chat_logprobs(
-                    list(o.token_ids), o.logprobs, req.top_logprobs or 0, tokens
-                ),
-                finish_reason=o.finish_reason,
-            )
-            for o in sorted(out.outputs, key=lambda o: o.index)
-        ]
-        return A.ChatCompletion(choices=choices, **arm.fields(req.model))
-
-    def answer(
-        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
-    ) -> BaseModel:
-        [arm] = arms
-        return self.completion(req, arm, tokens)
+    def serve(self, serving: Any) -> Any:
+        return serving.chat.create_chat_completion
 
 
 class ABChat(Chat):
@@ -121,24 +79,15 @@ class ABChat(Chat):
 
     name = "ab"
     ab = True
-    events = ABEvents
 
     def admit(self, req: P.ChatCompletionRequest) -> None:
+        super().admit(req)
         if req.seed is None:
             req.seed = random.randrange(2**31)  # both arms sample with the same seed
 
     def sequences(self, req: P.ChatCompletionRequest) -> tuple[int, str, str]:
-        return 2 * req.n, f"n {req.n} × 2 arms", "n"
-
-    def answer(
-        self, req: P.ChatCompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
-    ) -> BaseModel:
-        un, st = (self.completion(req, arm, tokens) for arm in arms)
-        texts = [[c.message.content for c in r.choices] for r in (un, st)]
-        return A.ABResponse(unsteered=un, steered=st, identical=texts[0] == texts[1])
-
-
-# --- completions ---------------------------------------------------------------------------------
+        n = req.n or 1
+        return 2 * n, f"n {n} × 2 arms", "n"
 
 
 class Completions(Endpoint):
@@ -147,11 +96,9 @@ class Completions(Endpoint):
     name = "completions"
     schema = P.CompletionRequest
     id_prefix = "cmpl"
-    events = CompletionEvents
 
     def admit(self, req: P.CompletionRequest) -> None:
-        if req.echo and req.logprobs is not None:
-            raise ApiError("echo: cannot be combined with logprobs", param="echo")
+        super().admit(req)
         p = _prompt_list(req)
         if not p:
             raise ApiError("prompt: must not be empty", param="prompt")
@@ -159,52 +106,62 @@ class Completions(Endpoint):
             raise ApiError(f"prompt: at most {MAX_PROMPTS} prompts per request", param="prompt")
 
     def sequences(self, req: P.CompletionRequest) -> tuple[int, str, str]:
-        count = len(_prompt_list(req))
-        return count * req.n, f"{count} prompts × n {req.n}", "n" if req.n > 1 else "prompt"
+        count, n = len(_prompt_list(req)), req.n or 1
+        return count * n, f"{count} prompts × n {n}", "n" if n > 1 else "prompt"
 
     def size(self, req: P.CompletionRequest) -> tuple[int, int, str]:
         p = _prompt_list(req)
         chars = max((len(x) for x in p if isinstance(x, str)), default=0)
         return chars, max((len(x) for x in p if isinstance(x, list)), default=0), "prompt"
 
-    def prompts(self, req: P.CompletionRequest, tokenizer: Any, vocab_size: int) -> Prompts:
-        """Token ids and texts of ``prompt`` (a string, strings, ids or lists of ids); ids are
-        checked against the vocabulary before anything decodes them."""
-        p = _prompt_list(req)
-        if isinstance(p[0], str):
-            try:
-                ids = [list(tokenizer.encode(t)) for t in p]
-            except Exception as e:  # e.g. a lone surrogate the tokenizer cannot encode
-                raise ApiError(f"prompt: cannot be tokenized: {e}", param="prompt") from None
-            return Prompts(ids, list(p), list(p))
-        ids = [list(x) for x in p]
-        for x in ids:
-            _check_ids(x, vocab_size)
-        texts = [tokenizer.decode(x) for x in ids]
-        return Prompts(ids, texts, texts)
+    def texts(self, req: P.CompletionRequest, tokenizer: Any, vocab_size: int) -> list[str]:
+        """The prompts' texts; ids are checked against the vocabulary before anything decodes
+        them."""
+        out = []
+        for x in _prompt_list(req):
+            if isinstance(x, str):
+                out.append(x)
+            else:
+                _check_ids(list(x), vocab_size)
+                out.append(tokenizer.decode(list(x)))
+        return out
 
-    def logprobs(self, req: P.CompletionRequest) -> int | None:
-        return req.logprobs
+    def serve(self, serving: Any) -> Any:
+        return serving.completion.create_completion
 
-    def answer(
-        self, req: P.CompletionRequest, prompts: Prompts, arms: list[ArmOutput], tokens: Tokens
-    ) -> BaseModel:
-        [arm] = arms
-        choices = []
-        for i, out in enumerate(arm.outputs):
-            echo = prompts.texts[i] if req.echo else ""
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                lp = completion_logprobs(list(o.token_ids), o.logprobs, req.logprobs or 0, tokens)
-                choices.append(
-                    A.CompletionChoice(
-                        index=i * req.n + o.index,
-                        text=echo + o.text,
-                        logprobs=lp,
-                        finish_reason=o.finish_reason,
-                        steering=arm.infos[i],
-                    )
-                )
-        return A.Completion(choices=choices, **arm.fields(req.model))
+    def echo(self, body: dict[str, Any], infos: list[Any], n: int) -> None:
+        for c in body.get("choices") or ():
+            c["steering"] = infos[c["index"] // n]
+
+    def echo_chunk(self, chunk: dict[str, Any], infos: list[Any], n: int, told: set[int]) -> None:
+        for c in chunk.get("choices") or ():
+            if c["index"] not in told:
+                told.add(c["index"])
+                c["steering"] = infos[c["index"] // n]
+
+
+def copies(req: Any) -> int:
+    """How many times the engine's one sample is repeated: ``n`` for greedy requests with n > 1
+    (vLLM refuses those; OpenAI answers n choices, identical by definition), else 1."""
+    n = req.n or 1
+    return n if req.temperature is not None and req.temperature < 1e-5 and n > 1 else 1
+
+
+def repeat(body: dict[str, Any], n: int) -> None:
+    """An answer or chunk of a request served with n = 1 as the ``n`` identical choices it
+    stands for: choice i becomes choices i·n … i·n + n − 1, and usage counts every copy."""
+    choices = []
+    for c in body.get("choices") or ():
+        index = c["index"]
+        for j in range(n):
+            d = copy.deepcopy(c) if j else c
+            d["index"] = index * n + j
+            choices.append(d)
+    if "choices" in body:
+        body["choices"] = choices
+    if usage := body.get("usage"):
+        usage["completion_tokens"] *= n
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def check_sequences(ep: Endpoint, req: Any, cap: int) -> None:
@@ -223,6 +180,8 @@ def check_sequences(ep: Endpoint, req: Any, cap: int) -> None:
 def _prompt_list(req: P.CompletionRequest) -> list[Any]:
     """``prompt`` as a list of prompts (strings or lists of ids)."""
     p: Any = req.prompt
+    if p is None:
+        return []
     if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
         return [p]
     return list(p)

@@ -14,7 +14,6 @@ from fastapi import Request
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.endpoints import Endpoint
 from steerserve.server.errors import ApiError
-from steerserve.server.events import Prompts
 from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
 from steerserve.server.steering import SteeringSpec
 
@@ -67,14 +66,14 @@ async def decide(
     endpoint: str,
     rid: str,
     info: SteeringInfo,
-    prompts: Prompts,
+    texts: list[str],
 ) -> None:
     """An enrolled request's decision (``info``: its arm's steering), logged when it is
     answered. The language is detected for both arms (``auto`` already did for the steered
     one), so the report compares like with like."""
     if ab is None or ab.echo.arm == UNENROLLED:
         return
-    text = "\n".join(prompts.language_texts)
+    text = "\n".join(texts)
     lang = info.detected_language
     if lang is None:
         try:
@@ -92,7 +91,7 @@ async def decide(
         "language": lang,
         "applied": info.applied,
         "vectors": [iv.vector for iv in info.interventions],
-        "prompt": prompts.texts,  # dropped unless --ab-log-content
+        "prompt": texts,  # dropped unless --ab-log-content
     }
 
 

@@ -1,10 +1,12 @@
 """The one path of every generation request (chat, completions, A/B; streamed or collected):
 
-check -> steer -> sampling params -> submit -> collect or stream -> finish.
+check -> steer -> plan -> vLLM's serving call -> collect or stream -> finish.
 
-What differs between endpoints (schema, prompts, answer shapes) is in ``endpoints.py``. The rest
-is written once here: the checks before the engine sees anything, language detection and policy,
-admission, submission and the collected answer. Beside it, by job: ``flight.py`` settles a
+What differs between endpoints (schema, texts, which serving call) is in ``endpoints.py``; the
+answers themselves are vLLM's serving layer's, hosted on the engine in ``hosted.py``, where the
+plan made here applies the admitted steering to each engine call. The rest is written once here:
+the checks before the engine sees anything, language detection and policy, admission, the plan and
+the collected answer with its ``steering``. Beside it, by job: ``flight.py`` settles a
 submitted request whatever happens (the queue gauge, the client going away, engine errors,
 closing engine requests, token and request metrics), ``streaming.py`` streams an answer, and
 ``enrolment.py`` puts a request under the A/B experiment.
@@ -15,25 +17,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
-from steerserve.server.answers import ExperimentInfo, SteeringInfo, Usage, cached_tokens
-from steerserve.server.backend import copies
+from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.defaults import seqs_per_request
-from steerserve.server.endpoints import Endpoint, check_sequences
+from steerserve.server.endpoints import Endpoint, check_sequences, copies, repeat
 from steerserve.server.enrolment import decide, enrol
 from steerserve.server.errors import ApiError
-from steerserve.server.events import ArmOutput
 from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
+from steerserve.server.hosted import Plan, answer_error, planned, raised_error
 from steerserve.server.policy import OFF
-from steerserve.server.protocol import read_request
+from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
 from steerserve.server.streaming import stream
 
@@ -59,9 +60,10 @@ class Arm:
 
 
 async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response:
-    """Check -> steer -> sampling params -> submit -> collect or stream -> finish."""
+    """Check -> steer -> plan -> vLLM's serving call -> collect or stream -> finish."""
     call = request.state.call = Call(ep.name)
-    req = await read_request(request, ep.schema, state.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes)
+    req = parse_request(ep.schema, body)
     check(state, req.model)
     ep.admit(req)
     settings = state.settings
@@ -70,59 +72,102 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     )
     backend = state.backend
     backend.check_size(*ep.size(req))
-    prompts = await backend.off_loop(ep.prompts, req, backend.tokenizer, backend.vocab_size)
+    texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
     spec, call.experiment = enrol(state, request, req, ep)
-    per_prompt = await steer_prompts(state, spec, prompts.language_texts, ep.ab)
+    per_prompt = await steer_prompts(state, spec, texts, ep.ab)
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
     arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
     call.arm = "ab" if ep.ab else arms[0].label
-    from vllm.sampling_params import RequestOutputKind
+    if req.use_beam_search and any(a.prepared.steered for p in per_prompt for a in p):
+        raise ApiError(
+            "use_beam_search: beam search is not steered (vLLM builds each step's sampling "
+            "anew); leave it out or turn steering off",
+            param="use_beam_search",
+        )
+    hexid = uuid.uuid4().hex
+    rid = f"{ep.id_prefix}-{hexid}"
+    await decide(state, call.experiment, call.endpoint, rid, arms[0].info, texts)
+    n_copies = copies(req)
+    gens: list[AsyncGenerator[Any, None]] = []
+    plans = [
+        Plan(
+            [p[a].prepared for p in per_prompt],
+            [p[a].label for p in per_prompt],
+            req.token_budget(),
+            backend.max_model_len,
+            backend.vocab_size,
+            gens,
+            call.experiment,
+        )
+        for a in range(len(arms))
+    ]
+    serve = ep.serve(state.serving)
 
-    kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
-    lp = ep.logprobs(req)
-    params = [
-        backend.sampling_params(req, len(ids), logprobs=lp, output_kind=kind) for ids in prompts.ids
-    ]
-    rid = f"{ep.id_prefix}-{uuid.uuid4().hex}"
-    await decide(state, call.experiment, call.endpoint, rid, arms[0].info, prompts)
-    gens = [
-        [
-            backend.generate(
-                ids, sp, per_prompt[i][a].prepared, f"{rid}{arm.suffix}-{i}", copies(req)
-            )
-            for i, (ids, sp) in enumerate(zip(prompts.ids, params, strict=True))
-        ]
-        for a, arm in enumerate(arms)
-    ]
+    async def run(a: int) -> Any:
+        # each arm its own request: vLLM's tool parsers adjust the one they get, and its
+        # message parts are one-pass iterators (read up by the checks above)
+        r = parse_request(ep.schema, body)
+        r.seed, r.request_id = req.seed, hexid + arms[a].suffix
+        if n_copies > 1:
+            r.n = 1
+        planned(plans[a])  # this task's context: the arm's engine calls read it
+        try:
+            return await serve(r, None)
+        except Exception as e:
+            raise (raised_error(e) or e) from None
+
+    async def run_arms() -> list[Any]:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(run(a)) for a in range(len(arms))]
+        results = [t.result() for t in tasks]
+        for r in results:
+            if (err := answer_error(r)) is not None:
+                raise err
+        return results
+
+    infos = [[p[a].info.model_dump(mode="json") for p in per_prompt] for a in range(len(arms))]
     headers = {HEADER: arms[-1].info.header()}
     if req.stream:
-        if ep.ab:  # one prompt, two arms: streamed like two prompts of the same ids
-            labels, infos = [a.label for a in arms], [a.info for a in arms]
-            units, prompts = [g for [g] in gens], dataclasses.replace(prompts, ids=prompts.ids * 2)
-        else:
-            labels, infos = [p[0].label for p in per_prompt], [p[0].info for p in per_prompt]
-            units = gens[0]
-        events = ep.events(req, prompts, rid, arms[-1].info, backend.tokens, infos)
-        return await stream(state, call, request, labels, events, units, prompts, headers)
-    every = [g for per_arm in gens for g in per_arm]
-    async with Flight(state, call, request, every) as flight:
-        outs = await until_disconnect(request, collect_all(gens), state.drain)
-        for a, per_arm in enumerate(outs):
-            for p, out in zip(per_prompt, per_arm, strict=True):
-                u = _usage([out])
-                flight.count(p[a].label, u.prompt_tokens, u.completion_tokens)
-        if call.experiment is not None and call.experiment.replies is not None:
-            for i, out in enumerate(outs[0]):
-                call.experiment.replies.update({(i, c.index): c.text for c in out.outputs})
+        labels = ["unsteered", "steered"] if ep.ab else [None]
+        return await stream(
+            state,
+            call,
+            request,
+            ep,
+            req,
+            run_arms,
+            plans,
+            gens,
+            arms,
+            infos,
+            labels,
+            headers,
+            n_copies,
+        )
+    async with Flight(state, call, request, gens) as flight:
+        try:
+            results = await until_disconnect(request, run_arms(), state.drain)
+        finally:
+            for plan in plans:
+                for label, (prompt, completion) in plan.tokens.items():
+                    flight.count(label, prompt, completion)
     if flight.status == 499:
         return Response(status_code=499)
-    answers = [
-        ArmOutput(rid + arm.suffix, arm.info, out, _usage(out), [p[a].info for p in per_prompt])
-        for a, (arm, out) in enumerate(zip(arms, outs, strict=True))
-    ]
-    body = ep.answer(req, prompts, answers, backend.tokens)
-    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+    bodies = []
+    for a, (arm, result) in enumerate(zip(arms, results, strict=True)):
+        body = result.model_dump(mode="json")
+        body["steering"] = arm.info.model_dump(mode="json")
+        repeat(body, n_copies)
+        ep.echo(body, infos[a], req.n or 1)
+        bodies.append(body)
+    if ep.ab:
+        texts_of = [[c["message"].get("content") for c in b["choices"]] for b in bodies]
+        answer = {"unsteered": bodies[0], "steered": bodies[1]}
+        answer["identical"] = texts_of[0] == texts_of[1]
+    else:
+        [answer] = bodies
+    return JSONResponse(answer, headers=headers)
 
 
 def check(state: ServerState, model: str) -> None:
@@ -199,23 +244,3 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
 
 def tagged(arm: Arm, echo: ExperimentInfo) -> Arm:
     return dataclasses.replace(arm, info=arm.info.model_copy(update={"experiment": echo}))
-
-
-async def collect_all(gens: list[list[AsyncGenerator]]) -> list[list[Any]]:
-    """The final output of every engine request (FINAL_ONLY streams), per arm and prompt."""
-
-    async def last(gen: AsyncGenerator) -> Any:
-        final = None
-        async for out in gen:
-            final = out
-        return final
-
-    async with asyncio.TaskGroup() as tg:
-        tasks = [[tg.create_task(last(g)) for g in per_arm] for per_arm in gens]
-    return [[t.result() for t in per_arm] for per_arm in tasks]
-
-
-def _usage(outputs: Sequence[Any]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return Usage.of(prompt, completion, cached_tokens(outputs))

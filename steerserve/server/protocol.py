@@ -9,19 +9,31 @@ What the server answers is in ``answers.py``; the error format in ``errors.py``.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
+    RootModel,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest as _VChat,
+)
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest as _VCompletion
+from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: F401 (the tokenize routes')
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeResponse,
+)
+from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest as _VTokenizeChat
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeCompletionRequest as _VTokenizeCompletion,
+)
 
 from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error
@@ -70,135 +82,170 @@ def _integral(v: Any) -> Any:
     return v
 
 
-#: An integer field of a request (see :func:`_integral`).
-Int = Annotated[int, BeforeValidator(_integral)]
-#: Bounded ones: the bounds come before the validator, or pydantic publishes them as ``ge``/``le``
-#: (not JSON Schema) once the field is optional.
-Tokens = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]
-#: What ``/v1/completions`` generates when ``max_tokens`` is absent or null (OpenAI's and vLLM's
-#: default; SDKs send unset fields as null, which must not mean "to the context limit").
-COMPLETION_MAX_TOKENS = 16
-#: Stop sequences a request may give (OpenAI's limit).
-MAX_STOP = 4
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_dependencies)
 
 
-class StreamOptions(_Request):
-    include_usage: bool = False
+# --- chat and completions: vLLM's request models, strict, plus ``steering`` ------------------------
+
+#: OpenAI fields that are bookkeeping on OpenAI's side and change nothing in an answer: accepted
+#: (and ignored, as vLLM does) so that SDKs and frameworks sending them work.
+NO_OP_FIELDS = (
+    "metadata",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "service_tier",
+    "store",
+)
+
+#: Fields that would change the answer's meaning and that this server cannot honour: refused with
+#: the reason (vLLM's models would accept and ignore the OpenAI ones).
+REFUSED_FIELDS = {
+    "functions": "the legacy 'functions' API is not served: send 'tools'",
+    "function_call": "the legacy 'function_call' is not served: send 'tool_choice'",
+    "audio": "audio output is not served (text only)",
+    "modalities": "only text output is served",
+    "prediction": "predicted outputs are not served",
+    "web_search_options": "web search is not served",
+    "request_id": "the server names each answer (its experiment ids must be unique): use the "
+    "x-request-id header to correlate logs",
+}
+
+#: Integer fields (see :func:`_integral`).
+_INTEGRAL = (
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "top_logprobs",
+    "logprobs",
+    "top_k",
+    "min_tokens",
+    "prompt_logprobs",
+)
+
+#: What ``/v1/completions`` generates when ``max_tokens`` is absent or null (OpenAI's and vLLM's
+#: default; SDKs send unset fields as null, which must not mean "to the context limit").
+COMPLETION_MAX_TOKENS = 16
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    # Clients echo assistant turns back with extra fields (tool_calls, refusal...): ignore them.
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The message as plain text; only text parts are supported."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        out = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ApiError(
-                    f"content part of type {part.type!r} is not supported (text only)",
-                    param="messages.content",
-                )
-            out.append(part.text)
-        return "".join(out)
+def _strict_fields(model: type[BaseModel], data: Any) -> Any:
+    """The checks vLLM's lax request models leave out: an unknown top-level field is a 400 naming
+    it (vLLM's ``extra="allow"`` only logs it, so a misspelt ``steering`` would be silently
+    unsteered), the fields of :data:`REFUSED_FIELDS` are refused with their reason, and
+    ``vllm_xargs`` cannot carry steering past admission."""
+    if not isinstance(data, dict):
+        return data
+    for key in data:
+        if key in REFUSED_FIELDS:
+            raise PydanticCustomError(
+                "refused", "{message}", {"message": REFUSED_FIELDS[key], "field": key}
+            )
+        if key not in model.model_fields and key not in NO_OP_FIELDS:
+            raise PydanticCustomError("extra_forbidden", "unrecognized", {"field": key})
+    xargs = data.get("vllm_xargs")
+    if isinstance(xargs, dict) and "steerserve" in xargs:
+        raise PydanticCustomError(
+            "refused",
+            "{message}",
+            {
+                "message": "steering goes in the 'steering' field, where it is checked",
+                "field": "vllm_xargs.steerserve",
+            },
+        )
+    if any(isinstance(data.get(k), float) for k in _INTEGRAL):
+        data = {**data, **{k: _integral(data[k]) for k in _INTEGRAL if k in data}}
+    return data
 
 
-class _Sampling(_Request):
-    model: str
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: Int = Field(1, ge=1, le=16)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: Seed | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM extension: useful for benchmarks and tests
+def _publish_strict(schema: dict[str, Any]) -> None:
+    """The published schema says what :func:`_strict_fields` enforces: no other top-level field
+    (the no-op ones listed), and the refused ones."""
+    props = schema.setdefault("properties", {})
+    for key in NO_OP_FIELDS:
+        props.setdefault(key, {"description": "accepted; changes nothing in the answer"})
+    for key in REFUSED_FIELDS:  # vLLM's request_id among them
+        props.pop(key, None)
+    schema["additionalProperties"] = False
+
+
+def _text(content: Any) -> str:
+    """A message's content as plain text (text parts joined): what ``auto`` reads a language
+    from and the size check counts. vLLM's models keep parts as a one-pass iterator: this reads
+    it up, so the request served is parsed anew from the body (``pipeline``)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+
+
+class ChatCompletionRequest(_VChat):
+    """vLLM's chat request (every OpenAI and vLLM field), strict, plus ``steering``."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra=_publish_strict)
+
+    model: str  # required here: the server checks it before anything else
     steering: Steering = Field(None, description=STEERING_DOC)
 
-    #: field -> the boolean flag it needs (refused without it; published in the schema)
-    DEPENDENCIES: ClassVar[dict[str, str]] = {"stream_options": "stream"}
-
-    @model_validator(mode="after")
-    def _dependencies(self) -> _Sampling:
-        for field, flag in self.DEPENDENCIES.items():
-            if getattr(self, field) is not None and not getattr(self, flag):
-                raise _needs(field, flag)
-        return self
-
-    @field_validator("stop", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _stop(cls, v: Any) -> Any:
-        """Before the union, so a long list gets this message, not one per union member."""
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        return v
+    def _strict(cls, data: Any) -> Any:
+        data = _strict_fields(cls, data)
+        if isinstance(data, dict) and data.get("echo"):
+            raise PydanticCustomError(
+                "refused",
+                "{message}",
+                {"message": "echo is a completions field (use /v1/completions)", "field": "echo"},
+            )
+        return data
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    def texts(self) -> list[str]:
+        """Every message's text (the size check); a content part vLLM's model refuses (checked
+        only as it is read) is a 400 naming it."""
+        out = []
+        for i, m in enumerate(self.messages):
+            try:
+                out.append(_text(m.get("content")))
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise api_error(err, prefix=("messages", i, "content")) from None
+        return out
 
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Tokens | None = Field(
-        None, description="absent or null: up to the context limit (as OpenAI and vLLM)"
-    )
-    max_completion_tokens: Tokens | None = Field(
-        None, description="takes precedence over max_tokens; absent or null: as max_tokens"
-    )
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
-
-    DEPENDENCIES: ClassVar[dict[str, str]] = {
-        **_Sampling.DEPENDENCIES,
-        "top_logprobs": "logprobs",
-    }
+    def user_text(self) -> str:
+        """The last user message's text: the language ``auto`` steers by."""
+        for m in reversed(self.messages):
+            if m.get("role") == "user":
+                return _text(m.get("content"))
+        return ""
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Tokens | None = Field(
-        COMPLETION_MAX_TOKENS, description=f"absent or null: {COMPLETION_MAX_TOKENS}"
-    )
-    logprobs: TopLogprobs | None = None
-    echo: bool = False
-    suffix: None = None
+class CompletionRequest(_VCompletion):
+    """vLLM's completions request, strict, plus ``steering``."""
 
-    @field_validator("max_tokens", mode="before")
+    model_config = ConfigDict(strict=True, json_schema_extra=_publish_strict)
+
+    model: str
+    steering: Steering = Field(None, description=STEERING_DOC)
+
+    @model_validator(mode="before")
     @classmethod
-    def _default_budget(cls, v: Any) -> Any:
-        return COMPLETION_MAX_TOKENS if v is None else v
+    def _strict(cls, data: Any) -> Any:
+        data = _strict_fields(cls, data)
+        if isinstance(data, dict) and data.get("max_tokens", 0) is None:
+            data = {**data, "max_tokens": COMPLETION_MAX_TOKENS}
+        return data
 
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(RootModel[_VTokenizeCompletion | _VTokenizeChat]):
+    """``POST /v1/tokenize``: vLLM's (a prompt, or messages rendered by the chat template)."""
 
 
 class FeedbackRequest(_Request):
@@ -238,8 +285,13 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse_request(model: type[M], body: bytes) -> M:
     """Validate a JSON body; the first problem becomes a 400 naming the field."""
+    from vllm.exceptions import VLLMValidationError
+
     try:
         return model.model_validate_json(body)
+    except VLLMValidationError as e:  # vLLM's own checks (not a ValueError: pydantic passes it)
+        param = getattr(e, "parameter", None)
+        raise ApiError(f"{param}: {e}" if param else str(e), param=param) from None
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
@@ -260,7 +312,12 @@ def is_json(content_type: str) -> bool:
 
 
 async def read_request(request: Any, model: type[M], limit: int) -> M:
-    """The body of a Starlette ``request`` parsed as ``model``: 415 unless it is declared JSON
+    """The body of a Starlette ``request`` parsed as ``model`` (:func:`read_body`)."""
+    return parse_request(model, await read_body(request, limit))
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The body of a Starlette ``request``: 415 unless it is declared JSON
     (a web page can send ``text/plain`` cross-site without a preflight, never JSON), 413 past
     ``limit`` bytes (before reading it when announced)."""
     if not is_json(request.headers.get("content-type", "")):
@@ -281,7 +338,7 @@ async def read_request(request: Any, model: type[M], limit: int) -> M:
         if size > limit:
             raise too_big
         chunks.append(chunk)
-    return parse_request(model, b"".join(chunks))
+    return b"".join(chunks)
 
 
 # --- the OpenAPI document ------------------------------------------------------------------------

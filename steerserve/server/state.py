@@ -15,6 +15,7 @@ from typing import Any
 
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
+from steerserve.server import hosted
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import (
@@ -63,6 +64,11 @@ class ServerSettings:
     ab_name: str = "default"  # part of the assignment hash: a new name reshuffles
     ab_log: str | None = None  # the JSONL decision log (feedback needs it)
     ab_log_content: bool = False  # prompts and replies in the log (they may be personal data)
+    # vLLM's names (hosted.build): "auto" picks the model's parser; None for auto-tool-choice:
+    # on whenever a parser is in use
+    tool_call_parser: str | None = "auto"
+    enable_auto_tool_choice: bool | None = None
+    chat_template: str | None = None  # a file or a template; None: the model's own
 
 
 class ServerState:
@@ -92,6 +98,7 @@ class ServerState:
         self.drain = Drain()  # past the drain deadline: requests in flight are answered 503
         self.created = int(time.time())
         self.loaded = False
+        self.serving: hosted.Serving | None = None  # vLLM's serving layer, once the engine is up
         # who may load vectors and read the experiment (the app's require_admin asks it)
         self.admin = AdminGate(settings.host, settings.api_key, settings.open_admin)
         if self.admin.refusal:
@@ -143,6 +150,13 @@ class ServerState:
                     f"under {self.settings.vectors_dir!r}, so the steered arm would not be steered"
                 )
             await self.backend.start()
+            self.serving = hosted.build(
+                self.backend,
+                self.model_name,
+                tool_call_parser=self.settings.tool_call_parser,
+                enable_auto_tool_choice=self.settings.enable_auto_tool_choice,
+                chat_template=self.settings.chat_template,
+            )
             for art in newest_first(s.artifact for s in found if s.artifact is not None):
                 await self.add_artifact(art)
             if self.policy.default_artifact is None and self.policy.default != "off":

@@ -1,22 +1,23 @@
-"""The streamed answer of a generation request: wait for every engine request's first output
-(so an engine refusal is still a 4xx), then the endpoint's server-sent events, interleaving
-several engine streams (prompts or A/B arms), ending in ``[DONE]`` or an error event.
+"""The streamed answer of a generation request: wait for every arm's first event (so an engine
+refusal is still a 4xx), then vLLM's server-sent events with our ``steering`` (and, in an A/B
+stream, each chunk's ``arm``), interleaving the arms, ending in ``[DONE]`` or an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from steerserve.server.answers import Usage, cached_tokens
 from steerserve.server.backend import engine_error
 from steerserve.server.drain import Drain
-from steerserve.server.events import Prompts, sse
+from steerserve.server.endpoints import Endpoint, repeat
+from steerserve.server.errors import ApiError
 from steerserve.server.flight import Call, ClientGone, Flight, until_disconnect
+from steerserve.server.hosted import Plan, error_from_vllm, event_json, first_event, sse
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState
@@ -28,74 +29,98 @@ async def stream(
     state: ServerState,
     call: Call,
     request: Request,
-    labels: list[str],
-    events: Any,
+    ep: Endpoint,
+    req: Any,
+    run_arms: Callable[[], Awaitable[list[Any]]],
+    plans: list[Plan],
     gens: list[AsyncGenerator],
-    prompts: Prompts,
+    arms: list[Any],
+    infos: list[list[dict[str, Any]]],
+    labels: list[str | None],
     headers: dict[str, str],
+    copies: int = 1,
 ) -> Response:
-    """Wait for every request's first output, so engine-side refusals are still a proper 4xx
-    (the stream's 200 is not sent yet) and a client gone meanwhile is a 499, then stream. The
-    wait counts in the queue gauge (the flight counts it from the first output on): a stream
-    waiting for its first token is queued, and an autoscaler keyed on the gauge must see it."""
+    """Start every arm's serving stream and wait for its first event (it comes with the engine's
+    first output), so engine-side refusals are still a proper 4xx (the stream's 200 is not sent
+    yet) and a client gone meanwhile is a 499, then stream. The wait counts in the queue gauge
+    (the flight counts it from the first event on): a stream waiting for its first token is
+    queued, and an autoscaler keyed on the gauge must see it."""
+
+    async def started() -> tuple[list[AsyncIterator[str]], list[str | None]]:
+        streams = await run_arms()
+        firsts = [await first_event(s) for s in streams]
+        for plan, first in zip(plans, firsts, strict=True):
+            body = None if first is None else event_json(first)
+            if isinstance(body, dict) and "error" in body:
+                raise _error(plan, body["error"], state)
+        return streams, firsts
+
     try:
         with state.metrics.queue_depth.track_inprogress():
-            firsts = await until_disconnect(request, first_outputs(gens), state.drain)
+            streams, firsts = await until_disconnect(request, started(), state.drain)
     except ClientGone:
         async with Flight(state, call, request, gens) as flight:
             raise ClientGone from None
         return Response(status_code=flight.status)
     except Exception as e:
-        for g in gens:
-            await g.aclose()
+        await _close(gens)
         raise engine_error(e, state.drain if state.stopping else None) from None
-    body = _events(state, call, request, labels, events, gens, firsts, prompts)
+    body = _events(
+        state, call, request, ep, req, plans, gens, streams, firsts, arms, infos, labels, copies
+    )
     headers = {**headers, "cache-control": "no-cache"}
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
-async def first_outputs(gens: list[AsyncGenerator]) -> list[Any]:
-    """The first output of every engine request (None for one that ended without any)."""
-    firsts = []
-    for g in gens:
-        try:
-            firsts.append(await g.__anext__())
-        except StopAsyncIteration:
-            firsts.append(None)
-    return firsts
+def _error(plan: Plan, err: dict[str, Any], state: ServerState) -> ApiError:
+    """A stream's in-band error as ours: the engine call's own exception when the plan saw one
+    (a steered distribution gone degenerate, the engine dying), else vLLM's message."""
+    if plan.error is not None:
+        return engine_error(plan.error, state.drain if state.stopping else None)
+    return error_from_vllm(err)
 
 
 async def _events(
     state: ServerState,
     call: Call,
     request: Request,
-    labels: list[str],
-    events: Any,
+    ep: Endpoint,
+    req: Any,
+    plans: list[Plan],
     gens: list[AsyncGenerator],
-    firsts: list[Any],
-    prompts: Prompts,
+    streams: list[AsyncIterator[str]],
+    firsts: list[str | None],
+    arms: list[Any],
+    infos: list[list[dict[str, Any]]],
+    labels: list[str | None],
+    copies: int,
 ) -> AsyncIterator[str]:
-    """The endpoint's events, ``[DONE]``, an engine error as a final OpenAI-format event
-    (tokens counted under each prompt's arm ``labels``)."""
-    prompt_tokens = sum(map(len, prompts.ids))
+    """vLLM's events of every arm, each chunk given its ``steering`` (the answer's on the first
+    chunk and the usage chunk, a prompt's on its choices' first chunks) and, in an A/B stream, its
+    ``arm``; one ``[DONE]``; an error as a final OpenAI-format event."""
+    n = req.n or 1
+    told: list[set[int]] = [set() for _ in streams]
+    first_chunk = [True for _ in streams]
     async with Flight(state, call, request, gens) as flight:
-        for label, ids in zip(labels, prompts.ids, strict=True):
-            flight.count(label, len(ids), 0)
-        merged = merge([_chained(f, g) for f, g in zip(firsts, gens, strict=True)], state.drain)
-        completion = 0
+        merged = merge([_chained(f, s) for f, s in zip(firsts, streams, strict=True)], state.drain)
         try:
-            for ev in events.head():
-                yield ev
-            async for i, out in merged:
-                n = sum(len(o.token_ids) for o in out.outputs)
-                completion += n
-                flight.count(labels[i], 0, n)
-                if call.experiment is not None and call.experiment.replies is not None:
-                    call.experiment.add_replies(i, out)
-                for ev in events.step(i, out):
-                    yield ev
-            for ev in events.tail(Usage.of(prompt_tokens, completion, cached_tokens(firsts))):
-                yield ev
+            async for a, event in merged:
+                body = event_json(event)
+                if body is None:
+                    continue  # each arm's [DONE]: one for the whole answer below
+                if "error" in body:
+                    err = _error(plans[a], body["error"], state)
+                    flight.status = err.status
+                    yield sse(err.body())
+                    continue
+                if first_chunk[a] or (body.get("usage") and not body.get("choices")):
+                    body["steering"] = arms[a].info.model_dump(mode="json")
+                    first_chunk[a] = False
+                repeat(body, copies)
+                ep.echo_chunk(body, infos[a], n, told[a])
+                if labels[a] is not None:
+                    body["arm"] = labels[a]
+                yield sse(body)
             yield DONE
             flight.delivered = True
         except Exception as e:
@@ -104,14 +129,27 @@ async def _events(
             flight.delivered = True
         finally:
             await merged.aclose()
+            for plan in plans:
+                for label, (prompt, completion) in plan.tokens.items():
+                    flight.count(label, prompt, completion)
 
 
-async def _chained(first: Any, gen: AsyncGenerator) -> AsyncIterator[Any]:
-    """``first`` (already awaited) followed by the rest of ``gen``."""
-    if first is not None:
-        yield first
-        async for out in gen:
-            yield out
+async def _chained(first: str | None, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first`` (already awaited) followed by the rest of ``events``."""
+    try:
+        if first is not None:
+            yield first
+            async for ev in events:
+                yield ev
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _close(gens: list[AsyncGenerator]) -> None:
+    for g in gens:
+        await g.aclose()
 
 
 async def merge(

@@ -1,0 +1,345 @@
+"""vLLM's own OpenAI serving layer, hosted on the server's engine: the one seam where steering
+enters chat and completions.
+
+vLLM's ``OpenAIServingChat`` / ``OpenAIServingCompletion`` give the whole OpenAI surface (tools and
+their parsers, structured outputs, echo and prompt logprobs, every sampling field, the answer and
+stream shapes) on any engine client with ``generate()``. They are built here on
+:class:`SteeringEngine`, a thin proxy of the server's ``AsyncLLM`` whose ``generate()`` applies
+the steering the pipeline admitted for this request (:class:`Plan`, held in a context variable):
+one plan per A/B arm, one admitted steering per engine call, so each prompt of a completions batch
+keeps its own ``auto`` decision. Nothing else reaches the worker: a ``steerserve`` key a client
+put in ``vllm_xargs`` is refused before (``protocol``) and removed here again.
+
+The serving classes are vLLM-internal. :func:`check_version` refuses a vLLM this module has not
+been read against (``docs/vllm-seams.md`` records the 0.33 equivalents).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from steerserve.engine.api import Prepared
+from steerserve.engine.spec import EXTRA_ARGS_KEY, SALT_PREFIX
+from steerserve.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from steerserve.server.backend import Backend
+    from steerserve.server.enrolment import Enrolled
+
+logger = logging.getLogger(__name__)
+
+#: vLLM releases whose serving classes this seam was read against (docs/vllm-seams.md).
+KNOWN_VLLM = ("0.32.0", "0.33.0")
+
+
+def check_version() -> str:
+    """The installed vLLM's version; a RuntimeError for one this seam does not know."""
+    import vllm
+
+    version = str(vllm.__version__).split("+", 1)[0]
+    if version not in KNOWN_VLLM:
+        raise RuntimeError(
+            f"steerserve hosts vLLM's OpenAI serving classes, read against vLLM "
+            f"{', '.join(KNOWN_VLLM)}; the installed vLLM is {vllm.__version__} "
+            "(see docs/vllm-seams.md)"
+        )
+    return version
+
+
+# --- the per-request plan ------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What one serving call (one arm) may send to the engine: per engine call in order (prompt i
+    of a completions batch), the admitted steering and its metrics label; and what comes back
+    (engine streams to close, tokens per label, the first engine-side error, replies)."""
+
+    prepared: list[Prepared]
+    labels: list[str]
+    budget: int | None  # the client's max_tokens: beyond the context it is a 400, never cut
+    max_model_len: int
+    vocab_size: int
+    gens: list[AsyncGenerator[Any, None]]  # shared by the arms of a request: the flight closes them
+    experiment: Enrolled | None = None
+    arm: int = 0  # the index of this plan's replies (A/B: 0 unsteered, 1 steered)
+    calls: int = 0
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    error: BaseException | None = None
+
+    def take(self) -> tuple[int, Prepared]:
+        i = self.calls
+        if i >= len(self.prepared):
+            raise RuntimeError(f"the serving layer made engine call {i + 1} of a {i}-call plan")
+        self.calls += 1
+        return i, self.prepared[i]
+
+    def check_room(self, prompt_len: int) -> None:
+        """OpenAI's 400 for a prompt plus ``max_tokens`` beyond the context (vLLM clamps it)."""
+        room = self.max_model_len - prompt_len
+        if room <= 0 or (self.budget is not None and self.budget > room):
+            asked = prompt_len + (self.budget or 1)
+            raise ApiError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {asked} tokens ({prompt_len} in the prompt, {self.budget or 1} "
+                "for the completion).",
+                param="max_tokens" if room > 0 else "messages",
+                code="context_length_exceeded",
+            )
+
+    async def track(self, i: int, gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        """``gen``'s outputs, counted (tokens under the call's label, replies of the experiment)
+        and its first error kept for the answer."""
+        label = self.labels[i]
+        t = self.tokens.setdefault(label, [0, 0])
+        first = True
+        try:
+            async for out in gen:
+                if first:
+                    t[0] += len(out.prompt_token_ids or ())
+                    first = False
+                t[1] += sum(len(o.token_ids) for o in out.outputs)
+                if self.experiment is not None and self.experiment.replies is not None:
+                    self.experiment.add_replies(self.arm if len(self.prepared) == 1 else i, out)
+                yield out
+        except BaseException as e:
+            if self.error is None and isinstance(e, Exception):
+                self.error = e
+            raise
+        finally:
+            await gen.aclose()
+
+
+_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("steerserve_plan", default=None)
+
+
+def planned(plan: Plan) -> contextvars.Token[Plan | None]:
+    """Make ``plan`` the current task's (the serving call that follows reads it)."""
+    return _PLAN.set(plan)
+
+
+# --- the engine client vLLM's serving classes see ---------------------------------------------------
+
+
+class SteeringEngine:
+    """The server's ``AsyncLLM`` as vLLM's serving classes see it: every attribute forwarded, and
+    ``generate()`` applying the current plan's steering (entries and cache salt) through the
+    backend, which also checks a steered request's distributions (``backend._checked``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend.llm, name)
+
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **kw: Any
+    ) -> AsyncGenerator[Any, None]:
+        plan = _PLAN.get()
+        if plan is None:  # a route that did not plan its request: never unvetted to the worker
+            raise RuntimeError("steerserve: an engine call outside a planned request")
+        i, prepared = plan.take()
+        extra = dict(getattr(sampling_params, "extra_args", None) or {})
+        if EXTRA_ARGS_KEY in extra:  # refused at parse; never trusted if it came through
+            raise ApiError(
+                f"vllm_xargs.{EXTRA_ARGS_KEY}: steering goes in the 'steering' field",
+                param=f"vllm_xargs.{EXTRA_ARGS_KEY}",
+            )
+        prompt = dict(prompt)
+        plan.check_room(len(prompt.get("prompt_token_ids") or ()))
+        client_salt = prompt.pop("cache_salt", None)
+        if prepared.steered:
+            prompt["cache_salt"] = combined_salt(prepared.cache_salt, client_salt)
+        elif client_salt:
+            prompt["cache_salt"] = client_salt
+        gen = self._backend.generate(prompt, sampling_params, prepared, request_id, **kw)
+        tracked = plan.track(i, gen)
+        plan.gens.append(tracked)
+        return tracked
+
+
+def combined_salt(ours: str | None, client: str | None) -> str | None:
+    """A steered request's salt with the client's own (tenant isolation) folded in: still ours in
+    form (``engine/prefix.py`` reads where steering starts from it), keyed by both."""
+    if not client or not ours:
+        return ours
+    body, sep, start = ours[len(SALT_PREFIX) :].partition(":")
+    digest = hashlib.sha256(f"{body}|{client}".encode()).hexdigest()[: len(body)]
+    return f"{SALT_PREFIX}{digest}{sep}{start}"
+
+
+# --- vLLM's answers and errors as ours ------------------------------------------------------------
+
+#: vLLM's error ``type`` strings (exception class names) as OpenAI's.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    501: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def error_from_vllm(err: dict[str, Any]) -> ApiError:
+    """vLLM's ``{"message", "type", "param", "code": <http status>}`` as our :class:`ApiError`."""
+    status = int(err.get("code") or 400)
+    status = status if 400 <= status < 600 else 500
+    if status == 501:  # "not implemented" features of a request: the request's to change
+        status = 400
+    param = err.get("param")
+    message = str(err.get("message") or "error")
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"
+    return ApiError(message, status=status, param=param, type=_TYPES.get(status, "server_error"))
+
+
+def answer_error(result: Any) -> ApiError | None:
+    """The :class:`ApiError` of a serving call that answered vLLM's ``ErrorResponse``."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        return error_from_vllm(result.error.model_dump())
+    return None
+
+
+def raised_error(e: BaseException) -> ApiError | None:
+    """A request-side exception vLLM's serving code raises (``VLLMValidationError`` names its
+    ``parameter``) as a 400; None for anything else (engine faults: ``backend.engine_error``)."""
+    if isinstance(e, ApiError):
+        return e
+    from vllm.exceptions import VLLMValidationError
+
+    if isinstance(e, VLLMValidationError):
+        param = getattr(e, "parameter", None)
+        msg = str(e)
+        return ApiError(f"{param}: {msg}" if param else msg, param=param)
+    from jinja2 import TemplateError
+
+    if isinstance(e, (TemplateError, ValueError)):
+        return ApiError(str(e) or type(e).__name__)
+    return None
+
+
+# --- streamed answers: vLLM's server-sent events, rewritten -------------------------------------
+
+
+def event_json(event: str) -> Any:
+    """The JSON of one ``data: …`` event; None for ``[DONE]`` or a comment."""
+    if not event.startswith("data: "):
+        return None
+    body = event[len("data: ") :].strip()
+    if body == "[DONE]":
+        return None
+    return json.loads(body)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def first_event(events: AsyncIterator[str]) -> str | None:
+    """The first event of a serving stream (it comes with the engine's first output)."""
+    async for ev in events:
+        return ev
+    return None
+
+
+# --- building the serving objects ------------------------------------------------------------------
+
+
+@dataclass
+class Serving:
+    """vLLM's serving objects on the server's engine (built once the engine is up)."""
+
+    chat: Any  # OpenAIServingChat
+    completion: Any  # OpenAIServingCompletion
+    tokenization: Any  # ServingTokenization
+    tool_parser: str | None
+
+
+def tool_parser_for(template: str | None, asked: str | None) -> str | None:
+    """The tool-call parser: ``auto`` picks hermes for a chat template that writes hermes'
+    ``<tool_call>`` tags (Qwen2.5, Hermes, many others), else none; ``none`` turns tools off."""
+    if asked == "auto":
+        return "hermes" if template and "<tool_call>" in template else None
+    if asked in (None, "none"):
+        return None
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        ToolParserManager.get_tool_parser(asked)
+    except KeyError:
+        raise ValueError(f"--tool-call-parser: unknown parser {asked!r}") from None
+    return asked
+
+
+def build(
+    backend: Backend,
+    model_name: str,
+    *,
+    tool_call_parser: str | None = "auto",
+    enable_auto_tool_choice: bool | None = None,
+    chat_template: str | None = None,
+) -> Serving:
+    """vLLM's chat, completions and tokenization serving on :class:`SteeringEngine`.
+    ``enable_auto_tool_choice`` None: on whenever a parser is in use (vLLM needs both flags)."""
+    check_version()
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    engine = SteeringEngine(backend)
+    llm = backend.llm
+    template = load_chat_template(chat_template)
+    own = template or getattr(backend.tokenizer, "chat_template", None)
+    parser = tool_parser_for(own if isinstance(own, str) else None, tool_call_parser)
+    auto_tools = bool(parser) if enable_auto_tool_choice is None else enable_auto_tool_choice
+    models = OpenAIServingModels(
+        engine_client=engine,
+        base_model_paths=[BaseModelPath(name=model_name, model_path=backend.cfg.model)],
+    )
+    common: dict[str, Any] = dict(
+        chat_template=template,
+        chat_template_content_format="auto",
+        enable_auto_tools=auto_tools,
+        tool_parser=parser,
+    )
+    renderer = OnlineRenderer(
+        model_config=llm.model_config, renderer=llm.renderer, request_logger=None, **common
+    )
+    chat = OpenAIServingChat(
+        engine,
+        models,
+        "assistant",
+        online_renderer=renderer,
+        request_logger=None,
+        enable_prompt_tokens_details=True,
+        **common,
+    )
+    completion = OpenAIServingCompletion(
+        engine,
+        models,
+        online_renderer=renderer,
+        request_logger=None,
+        enable_prompt_tokens_details=True,
+    )
+    tokenization = ServingTokenization(
+        models,
+        renderer,
+        chat_template=template,
+        chat_template_content_format="auto",
+    )
+    return Serving(chat, completion, tokenization, parser)
