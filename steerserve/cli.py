@@ -24,8 +24,9 @@ def _root() -> None:
 # --- serve: the OpenAI-compatible server --------------------------------------------------------
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
+    ctx: typer.Context,
     model: str = typer.Option(
         "default",
         envvar="STEERSERVE_MODEL",
@@ -173,9 +174,31 @@ def serve(
         envvar="STEERSERVE_AB_LOG_CONTENT",
         help="Also log prompts and replies (off by default: they may be personal data).",
     ),
+    tool_call_parser: str = typer.Option(
+        "auto",
+        envvar="STEERSERVE_TOOL_CALL_PARSER",
+        help="vLLM's tool-call parser (hermes, llama3_json, mistral, ...): auto picks hermes for "
+        "a chat template that writes <tool_call> tags (the default model's), none turns tools off.",
+    ),
+    enable_auto_tool_choice: bool = typer.Option(
+        None,
+        "--enable-auto-tool-choice/--no-auto-tool-choice",
+        envvar="STEERSERVE_ENABLE_AUTO_TOOL_CHOICE",
+        help="Let the model decide to call tools (tool_choice auto); default: on with a parser.",
+        show_default=False,
+    ),
+    chat_template: str = typer.Option(
+        None,
+        envvar="STEERSERVE_CHAT_TEMPLATE",
+        help="A chat template (file or inline Jinja) instead of the model's own.",
+        show_default=False,
+    ),
 ) -> None:
     """Serve an OpenAI-compatible API (chat, completions, A/B) with per-request steering.
-    Exits 1 when the engine fails to load or dies (for a supervisor to restart it)."""
+    Exits 1 when the engine fails to load or dies (for a supervisor to restart it).
+
+    Any other `vllm serve` engine flag (--max-num-batched-tokens, --enable-chunked-prefill,
+    --seed, --tokenizer, --structured-outputs-config ...) is passed to vLLM's engine as given."""
     from steerserve.server import options as so
     from steerserve.server.process import serve as run_server
 
@@ -184,7 +207,8 @@ def serve(
         max_num_seqs, tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend,
         enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
-        max_seqs_per_request, ops_per_layer, quantization,
+        max_seqs_per_request, ops_per_layer, quantization, tool_call_parser,
+        enable_auto_tool_choice, chat_template, tuple(ctx.args),
     )  # fmt: skip
     try:
         settings = so.settings(opts)

@@ -46,13 +46,6 @@ def test_plain_transcript_without_a_template(tok) -> None:
         tok.chat_template = template
 
 
-def test_server_renders_chats_with_this_function() -> None:
-    """One rendering: the server has no copy of its own to drift from research's."""
-    from steerserve.server import endpoints
-
-    assert endpoints.chat_ids is chat_ids
-
-
 def test_check_messages() -> None:
     dev = [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]
     assert check_messages(dev)[0] == {"role": "system", "content": "x"}

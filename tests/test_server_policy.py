@@ -208,7 +208,6 @@ def test_language_detection(detector: LanguageDetector, text: str, lang: str | N
     "body,param",
     [
         ({"model": "m", "messages": [{"role": "user", "content": 1}]}, "messages[0].content"),
-        ({"model": "m", "messages": [{"role": "x", "content": "a"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": "2"}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream"),
         (
@@ -250,7 +249,7 @@ def test_parse_accepts_openai_shapes() -> None:
             }
         ).encode(),
     )
-    assert req.messages[1].text() == "hi there" and req.stop_list() == ["\n"]
+    assert req.texts()[1] == "hi there" and req.stop == "\n"
     assert req.steering == Multipliers(interventions={"recall": 1.0})
     for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]]):
         c = parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}).encode())

@@ -136,6 +136,8 @@ ADMIN_REFUSED = "without a key: refused beyond loopback, and under a Host name n
 REQUEST_MODELS: list[type[BaseModel]] = [
     P.ChatCompletionRequest,
     P.CompletionRequest,
+    P.TokenizeRequest,
+    P.DetokenizeRequest,
     P.VectorLoadRequest,
     P.FeedbackRequest,
 ]
@@ -230,6 +232,8 @@ async def _tokenization(request: Request, model: type[BaseModel], method: str) -
     req: Any = await read_request(request, model, s.settings.max_body_bytes)
     req = getattr(req, "root", req)
     pipeline.check(s, req.model or s.model_name)
+    if isinstance(req, DetokenizeRequest):
+        endpoints.check_ids(list(req.tokens), s.backend.vocab_size, "tokens")
     assert s.serving is not None
     try:
         result = await getattr(s.serving.tokenization, method)(req, request)
@@ -264,10 +268,7 @@ def _v1_router() -> APIRouter:
     async def completions(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.COMPLETIONS)
 
-    tokenize = _route(TokenizeRequest, TokenizeResponse)
-    tokenize["responses"].pop(404, None)
-
-    @r.post("/tokenize", **tokenize)
+    @r.post("/tokenize", **_route(TokenizeRequest, TokenizeResponse))
     async def tokenize_route(request: Request) -> Response:
         """vLLM's tokenization of a prompt or chat, as ``vllm serve`` answers it."""
         return await _tokenization(request, TokenizeRequest, "create_tokenize")

@@ -122,7 +122,7 @@ class Completions(Endpoint):
             if isinstance(x, str):
                 out.append(x)
             else:
-                _check_ids(list(x), vocab_size)
+                check_ids(list(x), vocab_size)
                 out.append(tokenizer.decode(list(x)))
         return out
 
@@ -187,13 +187,14 @@ def _prompt_list(req: P.CompletionRequest) -> list[Any]:
     return list(p)
 
 
-def _check_ids(ids: list[int], vocab: int) -> None:
+def check_ids(ids: list[int], vocab: int, field: str = "prompt") -> None:
+    """Token ids given as such: not empty, each in the vocabulary (before anything decodes them)."""
     if not ids:
-        raise ApiError("prompt: the prompt is empty", param="prompt")
+        raise ApiError(f"{field}: the prompt is empty", param=field)
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(
-            f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+            f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=field
         )
 
 

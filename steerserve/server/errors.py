@@ -51,7 +51,7 @@ class ErrorResponse(BaseModel):
 
 
 # pydantic puts union-member tags ("str", "list[int]", "ContentPart", "Multipliers") into locations.
-_TAG = re.compile(r"^([a-z]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
+_TAG = re.compile(r"^([a-z-]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
 UNKNOWN_STEERING_FIELD = "unknown field (use 'interventions' or 'entries')"
 
 
@@ -71,8 +71,10 @@ def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
     """One pydantic error as a 400 naming its field (``prefix`` + its location, extended by a
     field our validators carry)."""
     loc = (*prefix, *err.get("loc", ()))
-    unknown = err["type"] == "extra_forbidden"
-    param = (_param(loc, unknown) or "") + str((err.get("ctx") or {}).get("field", "")) or None
+    field = str((err.get("ctx") or {}).get("field", ""))
+    # an unknown field's name is its location's last part, unless a validator named it
+    unknown = err["type"] == "extra_forbidden" and not field
+    param = (_param(loc, unknown) or "") + field or None
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = (

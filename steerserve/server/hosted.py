@@ -74,10 +74,14 @@ class Plan:
     error: BaseException | None = None
 
     def take(self) -> tuple[int, Prepared]:
+        """The next engine call's index and steering. Beam search (refused when steered) calls
+        the engine once per step: an unsteered plan serves any number of calls."""
         i = self.calls
-        if i >= len(self.prepared):
-            raise RuntimeError(f"the serving layer made engine call {i + 1} of a {i}-call plan")
         self.calls += 1
+        if i >= len(self.prepared):
+            if any(p.steered for p in self.prepared):
+                raise RuntimeError(f"engine call {i + 1} of a {len(self.prepared)}-call plan")
+            i = len(self.prepared) - 1
         return i, self.prepared[i]
 
     def check_room(self, prompt_len: int) -> None:
@@ -189,6 +193,11 @@ _TYPES = {
 }
 
 
+def _code(message: str) -> str | None:
+    """OpenAI's ``code`` for a vLLM message that has one (vLLM's ``code`` is the HTTP status)."""
+    return "context_length_exceeded" if "maximum context length" in message else None
+
+
 def error_from_vllm(err: dict[str, Any]) -> ApiError:
     """vLLM's ``{"message", "type", "param", "code": <http status>}`` as our :class:`ApiError`."""
     status = int(err.get("code") or 400)
@@ -199,7 +208,8 @@ def error_from_vllm(err: dict[str, Any]) -> ApiError:
     message = str(err.get("message") or "error")
     if param and not message.startswith(f"{param}:"):
         message = f"{param}: {message}"
-    return ApiError(message, status=status, param=param, type=_TYPES.get(status, "server_error"))
+    kind = _TYPES.get(status, "server_error")
+    return ApiError(message, status=status, param=param, type=kind, code=_code(message))
 
 
 def answer_error(result: Any) -> ApiError | None:
@@ -221,11 +231,11 @@ def raised_error(e: BaseException) -> ApiError | None:
     if isinstance(e, VLLMValidationError):
         param = getattr(e, "parameter", None)
         msg = str(e)
-        return ApiError(f"{param}: {msg}" if param else msg, param=param)
+        return ApiError(f"{param}: {msg}" if param else msg, param=param, code=_code(msg))
     from jinja2 import TemplateError
 
     if isinstance(e, (TemplateError, ValueError)):
-        return ApiError(str(e) or type(e).__name__)
+        return ApiError(str(e) or type(e).__name__, code=_code(str(e)))
     return None
 
 

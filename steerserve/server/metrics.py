@@ -97,4 +97,9 @@ class Metrics:
                 self.ab_tokens.labels(name, arm, kind).inc(n)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """Ours, then what vLLM's engine publishes in prometheus_client's default registry (its
+        ``vllm:*`` metrics, which dashboards and autoscalers key on, as ``vllm serve`` shows
+        them, and the process collectors)."""
+        from prometheus_client import REGISTRY
+
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

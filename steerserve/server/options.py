@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
@@ -60,6 +61,61 @@ class ServeOptions:
     max_seqs_per_request: int | None = None  # None: half of max_num_seqs (defaults.py)
     ops_per_layer: int = DEFAULT_OPS_PER_LAYER
     quantization: str = "auto"  # engine.cpu.QUANTIZATIONS
+    tool_call_parser: str | None = "auto"
+    enable_auto_tool_choice: bool | None = None
+    chat_template: str | None = None
+    engine_args: tuple[str, ...] = ()  # any other `vllm serve` engine flag (vllm_engine_args)
+
+
+#: Engine fields steerserve sets from its own options or needs for steering: refused as
+#: pass-through flags (the message names the serve option to use instead).
+OWN_ENGINE_FIELDS = {
+    "model": "--model",
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs",
+    "kv_cache_memory_bytes": "--kv-cache-bytes",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "--pipeline-parallel-size",
+    "distributed_executor_backend": "--distributed-executor-backend",
+    "enforce_eager": "--enforce-eager/--compile",
+    "served_model_name": "--served-model-name",
+    "hf_overrides": "nothing (the steered architecture is set through it)",
+    "additional_config": "nothing (the steering plugin's settings are kept in it)",
+    "worker_extension_cls": "nothing (the steering worker extension)",
+}
+
+
+def vllm_engine_args(args: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``vllm serve``'s engine flags given to ``steerserve serve`` (``--max-num-batched-tokens
+    512``, ``--enable-chunked-prefill``, ``--seed 3`` …), parsed by vLLM's own parser, so a vLLM
+    command line carries over: the ``EngineArgs`` fields given, and their values."""
+    if not args:
+        return {}
+    import argparse
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(exit_on_error=False, add_help=False)
+    AsyncEngineArgs.add_cli_args(parser)
+    defaults = vars(parser.parse_args([]))
+    try:
+        given, unknown = parser.parse_known_args(list(args))
+    except argparse.ArgumentError as e:
+        raise OptionError(str(e), e.argument_name) from None
+    if unknown:
+        raise OptionError(
+            f"not an option of steerserve serve or of vLLM's engine: {' '.join(unknown)}",
+            unknown[0],
+        )
+    out = {k: v for k, v in vars(given).items() if v != defaults.get(k)}
+    for field, instead in OWN_ENGINE_FIELDS.items():
+        if field in out:
+            flag = "--" + field.replace("_", "-")
+            raise OptionError(f"set by steerserve: use {instead}", flag)
+    return out
 
 
 def check_experiment(split: float, name: str, log: str | None) -> None:
@@ -112,7 +168,16 @@ def settings(opts: ServeOptions) -> ServerSettings:
     logging.basicConfig(
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    passed = vllm_engine_args(opts.engine_args)  # before the model: a typo costs nothing
+    if opts.tool_call_parser not in ("auto", "none", None):
+        from steerserve.server.hosted import tool_parser_for
+
+        try:
+            tool_parser_for(None, opts.tool_call_parser)
+        except ValueError as e:
+            raise OptionError(str(e).split(": ", 1)[-1], "--tool-call-parser") from None
     engine = _engine_config(opts, _model_dir(opts.model))
+    engine.extra.update(passed)
     return ServerSettings(
         engine=engine,
         vectors_dir=opts.vectors_dir or default_vectors_dir(),
@@ -130,6 +195,9 @@ def settings(opts: ServeOptions) -> ServerSettings:
         ab_name=opts.ab_name,
         ab_log=opts.ab_log,
         ab_log_content=opts.ab_log_content,
+        tool_call_parser=opts.tool_call_parser,
+        enable_auto_tool_choice=opts.enable_auto_tool_choice,
+        chat_template=opts.chat_template,
     )
 
 

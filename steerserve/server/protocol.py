@@ -9,13 +9,15 @@ What the server answers is in ``answers.py``; the error format in ``errors.py``.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     RootModel,
+    Tag,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -25,8 +27,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as _VChat,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as _VCompletion
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as _VDetokenize
 from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: F401 (the tokenize routes')
-    DetokenizeRequest,
     DetokenizeResponse,
     TokenizeResponse,
 )
@@ -144,6 +146,25 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
             )
         if key not in model.model_fields and key not in NO_OP_FIELDS:
             raise PydanticCustomError("extra_forbidden", "unrecognized", {"field": key})
+    messages = data.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        # vLLM's message union also takes openai-harmony messages (gpt-oss' own format, no
+        # role), which its renderer then fails on, and content of any iterable type
+        if isinstance(m, dict) and "role" not in m:
+            raise PydanticCustomError("missing", "Field required", {"field": f"messages[{i}].role"})
+        content = m.get("content") if isinstance(m, dict) else None
+        if content is not None and not isinstance(content, (str, list)):
+            raise PydanticCustomError(
+                "content",
+                "must be a string or an array of content parts",
+                {"field": f"messages[{i}].content"},
+            )
+    bias = data.get("logit_bias")
+    for key, value in bias.items() if isinstance(bias, dict) else ():
+        if isinstance(value, int | float) and not -100 <= value <= 100:
+            raise PydanticCustomError(  # OpenAI's range; vLLM would clamp it silently
+                "range", "must be between -100 and 100", {"field": f"logit_bias.{key}"}
+            )
     xargs = data.get("vllm_xargs")
     if isinstance(xargs, dict) and "steerserve" in xargs:
         raise PydanticCustomError(
@@ -244,8 +265,43 @@ class CompletionRequest(_VCompletion):
         return self.max_tokens
 
 
-class TokenizeRequest(RootModel[_VTokenizeCompletion | _VTokenizeChat]):
+class _Strict(BaseModel):
+    """vLLM's lax request models made strict (:func:`_strict_fields`, published)."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra=_publish_strict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strict_fields(cls, data)
+
+
+class TokenizeCompletionRequest(_Strict, _VTokenizeCompletion):
+    """vLLM's: a prompt."""
+
+
+class TokenizeChatRequest(_Strict, _VTokenizeChat):
+    """vLLM's: messages rendered by the chat template."""
+
+
+def _tokenize_kind(data: Any) -> str:
+    return "TokenizeChatRequest" if isinstance(data, dict) and "messages" in data else "Prompt"
+
+
+class TokenizeRequest(
+    RootModel[
+        Annotated[
+            Annotated[TokenizeCompletionRequest, Tag("Prompt")]
+            | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+            Discriminator(_tokenize_kind),
+        ]
+    ]
+):
     """``POST /v1/tokenize``: vLLM's (a prompt, or messages rendered by the chat template)."""
+
+
+class DetokenizeRequest(_Strict, _VDetokenize):
+    """``POST /v1/detokenize``: vLLM's (token ids)."""
 
 
 class FeedbackRequest(_Request):
@@ -292,6 +348,8 @@ def parse_request(model: type[M], body: bytes) -> M:
     except VLLMValidationError as e:  # vLLM's own checks (not a ValueError: pydantic passes it)
         param = getattr(e, "parameter", None)
         raise ApiError(f"{param}: {e}" if param else str(e), param=param) from None
+    except (AttributeError, TypeError, KeyError) as e:  # a vLLM check read a field of a wrong type
+        raise _wrong_type(model, body, e) from None
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
@@ -301,6 +359,23 @@ def parse_request(model: type[M], body: bytes) -> M:
         if err["type"] == "model_type" and not err["loc"]:
             raise ApiError("request body must be a JSON object", code="invalid_json") from None
         raise api_error(err) from None
+
+
+def _wrong_type(model: type[BaseModel], body: bytes, e: Exception) -> ApiError:
+    """A 400 naming the field whose type made one of vLLM's before-validators fail (they read
+    the raw body assuming its types): each field is validated alone against its annotation."""
+    data = json.loads(body)
+    for key, value in data.items() if isinstance(data, dict) else ():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        try:
+            TypeAdapter(field.annotation).validate_python(value)
+        except ValidationError as err:
+            raise api_error(err.errors(include_url=False)[0], prefix=(key,)) from None
+        except Exception:
+            return ApiError(f"{key}: invalid value", param=key)
+    return ApiError(f"request body: a field has the wrong type ({type(e).__name__}: {e})")
 
 
 def is_json(content_type: str) -> bool:
