@@ -1273,7 +1273,8 @@ def test_steered_chat_takes_one_path_through_the_server(server: Server, http: ht
         assert done.wait(10)
     assert r["steering"]["applied"]
     print("module calls, in order:", " ".join(f"{a}->{b}" for a, b in edges))
-    assert edges[0] == ("app", "pipeline")
+    # the first call out of app (the engine watch's state -> backend may come earlier)
+    assert next(e for e in edges if e[0] == "app") == ("app", "pipeline")
     assert {b for _, b in edges} >= {"pipeline", "protocol", "endpoints", "policy", "backend"}
     assert {a for a, b in edges if b == "pipeline"} == {"app"}  # one way in
     for a, b in edges:  # one way down: never back into a module above
