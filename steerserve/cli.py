@@ -187,6 +187,19 @@ def serve(
         help="Let the model decide to call tools (tool_choice auto); default: on with a parser.",
         show_default=False,
     ),
+    preset: list[str] = typer.Option(
+        [],
+        "--preset",
+        help="NAME=SPEC: serve the steering SPEC (any 'steering' value, as JSON, or on/off/auto) "
+        "as the model id <model>:NAME, chosen by 'model' alone (repeatable). The served artifact "
+        "gives <model>:steering-on and <model>:steering-auto.",
+    ),
+    ab_preset: str = typer.Option(
+        None,
+        envvar="STEERSERVE_AB_PRESET",
+        help="The preset the A/B experiment's steered arm serves (default: auto, or on).",
+        show_default=False,
+    ),
     chat_template: str = typer.Option(
         None,
         envvar="STEERSERVE_CHAT_TEMPLATE",
@@ -208,7 +221,7 @@ def serve(
         enforce_eager, api_key, steering, served_model_name, log_level, drain_seconds,
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
         max_seqs_per_request, ops_per_layer, quantization, tool_call_parser,
-        enable_auto_tool_choice, chat_template, tuple(ctx.args),
+        enable_auto_tool_choice, chat_template, tuple(ctx.args), tuple(preset), ab_preset,
     )  # fmt: skip
     try:
         settings = so.settings(opts)

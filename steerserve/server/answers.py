@@ -50,6 +50,8 @@ class SteeringInfo(BaseModel):
     auto_languages: list[str] | None = Field(None, exclude_if=lambda v: v is None)
     # only under an A/B experiment (``--ab-split``): answers are unchanged without one
     experiment: ExperimentInfo | None = Field(None, exclude_if=lambda v: v is None)
+    # only for a request whose model is a steering preset: its id
+    preset: str | None = Field(None, exclude_if=lambda v: v is None)
 
     def header(self) -> str:
         """``x-steerserve-steering``: compact ASCII JSON, or ``off`` (unsteered, no experiment)."""
@@ -120,6 +122,9 @@ class ModelCard(BaseModel):
     owned_by: str = "steerserve"
     root: str
     max_model_len: int | None
+    # a steering preset (presets.py): its base model, as vLLM lists a LoRA adapter's
+    parent: str | None = Field(None, exclude_if=lambda v: v is None)
+    steering: Any = Field(None, exclude_if=lambda v: v is None, description="what it applies")
 
 
 class ModelList(BaseModel):

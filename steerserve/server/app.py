@@ -232,6 +232,7 @@ async def _tokenization(request: Request, model: type[BaseModel], method: str) -
     req: Any = await read_request(request, model, s.settings.max_body_bytes)
     req = getattr(req, "root", req)
     pipeline.check(s, req.model or s.model_name)
+    req.model = s.model_name  # a preset's id tokenizes as its base model
     if isinstance(req, DetokenizeRequest):
         endpoints.check_ids(list(req.tokens), s.backend.vocab_size, "tokens")
     assert s.serving is not None
@@ -254,7 +255,12 @@ def _v1_router() -> APIRouter:
         card = ModelCard(
             id=s.model_name, created=s.created, root=s.model_name, max_model_len=max_len
         )
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        presets = [  # as vLLM lists LoRA adapters: their own ids, the base model as parent
+            card.model_copy(update={"id": p.id, "parent": s.model_name, "steering": p.raw})
+            for p in s.presets.values()
+        ]
+        body = ModelList(data=[card, *presets]).model_dump_json()
+        return Response(body, media_type="application/json")
 
     @r.post("/chat/completions", **_route(P.ChatCompletionRequest, ChatCompletion, True))
     async def chat(request: Request) -> Response:

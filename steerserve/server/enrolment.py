@@ -14,7 +14,8 @@ from fastapi import Request
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.endpoints import Endpoint
 from steerserve.server.errors import ApiError
-from steerserve.server.experiment import SUBJECT_HEADER, UNENROLLED, header_subject
+from steerserve.server.experiment import STEERED, SUBJECT_HEADER, UNENROLLED, header_subject
+from steerserve.server.presets import preset_id
 from steerserve.server.steering import SteeringSpec
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Enrolled:
     rid: str = ""
     decision: dict[str, Any] | None = None
     replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
+    preset: str | None = None  # the steered arm's preset (--ab-preset)
 
     def add_replies(self, i: int, out: Any) -> None:
         """A streamed step's text deltas of prompt ``i``."""
@@ -57,7 +59,12 @@ def enrol(
     if not subject:
         return None, Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
     a = exp.assign(subject)
-    return exp.steering(a.arm, state.settings.steering), Enrolled(ExperimentInfo(**a.echo()))
+    enrolled = Enrolled(ExperimentInfo(**a.echo()))
+    if (name := state.settings.ab_preset) is not None and a.arm == STEERED:
+        preset = state.presets[preset_id(state.model_name, name)]
+        enrolled.preset = preset.id
+        return preset.spec, enrolled
+    return exp.steering(a.arm, state.settings.steering), enrolled
 
 
 async def decide(
@@ -90,6 +97,7 @@ async def decide(
         "model": state.model_name,
         "language": lang,
         "applied": info.applied,
+        **({"preset": ab.preset} if ab.preset else {}),
         "vectors": [iv.vector for iv in info.interventions],
         "prompt": texts,  # dropped unless --ab-log-content
     }

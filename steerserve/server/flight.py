@@ -43,6 +43,7 @@ class Call:
     done: bool = False
     experiment: Enrolled | None = None  # under the server's A/B experiment
     tokens: tuple[int, int] = (0, 0)  # prompt, completion (all arms), once settled
+    preset: str | None = None  # the steering preset the request's model id names
 
 
 def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> None:
@@ -52,12 +53,15 @@ def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> N
     call.done = True
     seconds = time.perf_counter() - call.t0
     state.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
+    if call.preset is not None:
+        state.metrics.preset_requests.labels(call.preset, str(status)).inc()
     if call.experiment is not None:
         settle_experiment(state, call.experiment, status, seconds if timed else None, call.tokens)
     logger.info(
-        "request endpoint=%s arm=%s status=%d ms=%.1f",
+        "request endpoint=%s arm=%s%s status=%d ms=%.1f",
         call.endpoint,
         call.arm,
+        "" if call.preset is None else f" preset={call.preset}",
         status,
         seconds * 1e3,
     )

@@ -42,6 +42,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.preset_requests = Counter(
+            "steerserve_preset_requests",
+            "Requests whose model id is a steering preset, by preset and HTTP status.",
+            ["preset", "status"],
+            registry=r,
+        )
         self.ready = Gauge("steerserve_engine_ready", "1 once the engine is loaded.", registry=r)
         self.engine_requests = Gauge(
             "steerserve_engine_requests",

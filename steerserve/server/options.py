@@ -65,6 +65,8 @@ class ServeOptions:
     enable_auto_tool_choice: bool | None = None
     chat_template: str | None = None
     engine_args: tuple[str, ...] = ()  # any other `vllm serve` engine flag (vllm_engine_args)
+    presets: tuple[str, ...] = ()  # NAME=SPEC (presets.py)
+    ab_preset: str | None = None
 
 
 #: Engine fields steerserve sets from its own options or needs for steering: refused as
@@ -118,6 +120,29 @@ def vllm_engine_args(args: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
+def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
+    """Each ``--preset NAME=SPEC`` a steering value the API accepts (its vectors are checked once
+    the artifacts are loaded), before the engine starts."""
+    from steerserve.server.errors import ApiError
+    from steerserve.server.presets import DEFAULTS, parse_option
+    from steerserve.server.protocol import parse_steering
+
+    names = set(DEFAULTS)
+    for text in presets:
+        try:
+            name, raw = parse_option(text)
+            parse_steering(raw)
+        except ValueError as e:
+            raise OptionError(str(e), "--preset") from None
+        except ApiError as e:
+            raise OptionError(f"{text}: {e.message}", "--preset") from None
+        if name in names:
+            raise OptionError(f"{name}: the name is taken (presets: {sorted(names)})", "--preset")
+        names.add(name)
+    if ab_preset is not None and ab_preset not in names:
+        raise OptionError(f"no preset {ab_preset!r} (presets: {sorted(names)})", "--ab-preset")
+
+
 def check_experiment(split: float, name: str, log: str | None) -> None:
     """Refuse a bad split or an unwritable log before the engine starts, naming the option."""
     from steerserve.server.experiment import DecisionLog, Experiment
@@ -169,6 +194,7 @@ def settings(opts: ServeOptions) -> ServerSettings:
         level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     passed = vllm_engine_args(opts.engine_args)  # before the model: a typo costs nothing
+    check_presets(opts.presets, opts.ab_preset)
     if opts.tool_call_parser not in ("auto", "none", None):
         from steerserve.server.hosted import tool_parser_for
 
@@ -198,6 +224,8 @@ def settings(opts: ServeOptions) -> ServerSettings:
         tool_call_parser=opts.tool_call_parser,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         chat_template=opts.chat_template,
+        presets=tuple(opts.presets),
+        ab_preset=opts.ab_preset,
     )
 
 

@@ -34,6 +34,7 @@ from steerserve.server.errors import ApiError
 from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
 from steerserve.server.hosted import Plan, answer_error, planned, raised_error
 from steerserve.server.policy import OFF
+from steerserve.server.presets import Preset
 from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
 from steerserve.server.streaming import stream
@@ -64,7 +65,16 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     call = request.state.call = Call(ep.name)
     body = await read_body(request, state.settings.max_body_bytes)
     req = parse_request(ep.schema, body)
-    check(state, req.model)
+    preset = check(state, req.model)
+    if preset is not None:
+        if req.steering is not None:
+            raise ApiError(
+                f"steering: the model {req.model!r} is a steering preset; send 'steering' with "
+                f"the base model {state.model_name!r}, or the preset without 'steering'",
+                param="steering",
+            )
+        req.steering = preset.spec  # explicit steering from here on (never enrolled)
+        call.preset = preset.id
     ep.admit(req)
     settings = state.settings
     check_sequences(
@@ -77,6 +87,9 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     per_prompt = await steer_prompts(state, spec, texts, ep.ab)
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
+    if (named := preset.id if preset else call.experiment and call.experiment.preset) is not None:
+        per_prompt = [[a if not a.prepared.steered else named_by(a, named) for a in p]
+                      for p in per_prompt]  # fmt: skip
     arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
     call.arm = "ab" if ep.ab else arms[0].label
     if req.use_beam_search and any(a.prepared.steered for p in per_prompt for a in p):
@@ -109,6 +122,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         # message parts are one-pass iterators (read up by the checks above)
         r = parse_request(ep.schema, body)
         r.seed, r.request_id = req.seed, hexid + arms[a].suffix
+        r.model = state.model_name  # vLLM's serving layer knows the base model, not presets
         if n_copies > 1:
             r.n = 1
         planned(plans[a])  # this task's context: the arm's engine calls read it
@@ -157,6 +171,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     bodies = []
     for a, (arm, result) in enumerate(zip(arms, results, strict=True)):
         body = result.model_dump(mode="json")
+        body["model"] = req.model  # the preset's id when one was asked for
         body["steering"] = arm.info.model_dump(mode="json")
         repeat(body, n_copies)
         ep.echo(body, infos[a], req.n or 1)
@@ -170,11 +185,13 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     return JSONResponse(answer, headers=headers)
 
 
-def check(state: ServerState, model: str) -> None:
-    """The served model, and an engine ready to take it (not one past its drain deadline)."""
+def check(state: ServerState, model: str) -> Preset | None:
+    """The served model or one of its steering presets (returned), and an engine ready to take
+    it (not one past its drain deadline)."""
     if state.drain.dropping:
         raise state.drain.error()
-    if model != state.model_name:
+    preset = state.presets.get(model)
+    if model != state.model_name and preset is None:
         raise ApiError(
             f"The model {model!r} does not exist; this server serves {state.model_name!r}",
             status=404,
@@ -187,6 +204,7 @@ def check(state: ServerState, model: str) -> None:
             status=503,
             type="service_unavailable",
         )
+    return preset
 
 
 async def steer_prompts(
@@ -240,6 +258,10 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
         Arm("unsteered", UNSTEERED, OFF.info(False), "-a"),
         dataclasses.replace(arm, suffix="-b"),
     ]
+
+
+def named_by(arm: Arm, preset: str) -> Arm:
+    return dataclasses.replace(arm, info=arm.info.model_copy(update={"preset": preset}))
 
 
 def tagged(arm: Arm, echo: ExperimentInfo) -> Arm:

@@ -15,6 +15,7 @@ from typing import Any
 
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
+from steerserve.engine.spec import SteeringError
 from steerserve.server import hosted
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
@@ -37,7 +38,8 @@ from steerserve.server.experiment import (
 )
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
-from steerserve.server.steering import DEFAULT_MODE, MODES
+from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
+from steerserve.server.steering import DEFAULT_MODE, MODES, Off
 from steerserve.server.vetting import check_artifacts, loadable
 
 logger = logging.getLogger("steerserve.server")
@@ -69,6 +71,8 @@ class ServerSettings:
     tool_call_parser: str | None = "auto"
     enable_auto_tool_choice: bool | None = None
     chat_template: str | None = None  # a file or a template; None: the model's own
+    presets: tuple[str, ...] = ()  # NAME=SPEC, each served as a model id (presets.py)
+    ab_preset: str | None = None  # the preset the A/B experiment's steered arm serves
 
 
 class ServerState:
@@ -99,6 +103,8 @@ class ServerState:
         self.created = int(time.time())
         self.loaded = False
         self.serving: hosted.Serving | None = None  # vLLM's serving layer, once the engine is up
+        self.presets: dict[str, Preset] = {}  # model id -> preset, once the artifacts are loaded
+        self._preset_options = [parse_option(p) for p in settings.presets]  # ValueError
         # who may load vectors and read the experiment (the app's require_admin asks it)
         self.admin = AdminGate(settings.host, settings.api_key, settings.open_admin)
         if self.admin.refusal:
@@ -167,6 +173,7 @@ class ServerState:
                     )
                 logger.warning("no steering artifact for this model: default policy is off")
                 self.policy.default = "off"
+            self._add_presets()
             if self.policy.default_artifact is not None:
                 await asyncio.to_thread(self.detector.warm)
             self.loaded = True
@@ -194,6 +201,32 @@ class ServerState:
                 return
             self.load_error = e
             logger.exception("engine failed to load%s", self._exit())
+
+    def _add_presets(self) -> None:
+        """The served artifact's presets and ``--preset``'s, each admitted as a request would
+        be (a missing vector, or a name taken by the model or another preset, stops the start)."""
+        from steerserve.server.protocol import parse_steering
+
+        wanted: list[tuple[str, Any, str]] = []
+        if self.policy.default_artifact is not None:
+            wanted += [(k, v, "artifact") for k, v in DEFAULTS.items()]
+        wanted += [(name, raw, "--preset") for name, raw in self._preset_options]
+        for name, raw, source in wanted:
+            pid = preset_id(self.model_name, name)
+            if pid == self.model_name or pid in self.presets:
+                raise RuntimeError(f"--preset {name}: the model id {pid!r} is taken")
+            try:
+                spec = parse_steering(raw)
+                force = not isinstance(spec, Off)  # auto: check what it steers with
+                decision = self.policy.resolve(spec, force=force)
+                self.backend.prepare(decision.entries or None, decision.field)
+            except (ApiError, SteeringError) as e:
+                raise RuntimeError(f"--preset {name}: {e}") from None
+            self.presets[pid] = Preset(pid, spec, raw, source)
+        if self.settings.ab_preset is not None:
+            pid = preset_id(self.model_name, self.settings.ab_preset)
+            if pid not in self.presets:
+                raise RuntimeError(f"--ab-preset {self.settings.ab_preset}: no such preset")
 
     def _scan(self, names: Collection[str] | None = None) -> list[Scanned]:
         """The artifact directories under the vectors directory (of ``names`` only, when given),

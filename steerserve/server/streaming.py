@@ -113,6 +113,7 @@ async def _events(
                     flight.status = err.status
                     yield sse(err.body())
                     continue
+                body["model"] = req.model  # the preset's id when one was asked for
                 if first_chunk[a] or (body.get("usage") and not body.get("choices")):
                     body["steering"] = arms[a].info.model_dump(mode="json")
                     first_chunk[a] = False

@@ -1,0 +1,183 @@
+"""Steering presets served as model ids (``<model>:<preset>``), over real HTTP on a tiny Llama
+with a tiny artifact: chosen by ``model`` alone with the ``openai`` SDK and lm-eval, listed in
+``/v1/models`` with their ``parent``, refused when combined with ``steering``, checked at start."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_server import AUTH, FR, KEY, MODEL, Server, make_artifact, metric
+
+ON = f"{MODEL}:steering-on"
+AUTO = f"{MODEL}:steering-auto"
+HALF = f"{MODEL}:half"  # --preset half={"interventions": {"recall": 0.5}}
+
+
+def _settings(tiny_llama: Path, root: Path, **kw: Any) -> Any:
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings
+
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
+    return ServerSettings(engine=cfg, vectors_dir=str(root), api_key=KEY, **kw)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    root = tmp_path_factory.mktemp("vectors")
+    make_artifact(root, tiny_llama, "v1", seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
+    from steerserve.server import create_app
+
+    presets = ('half={"interventions": {"recall": 0.5}}',)
+    srv = Server(create_app(_settings(tiny_llama, root, presets=presets)))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def _ask(oai: openai.OpenAI, model: str, content: str = FR) -> Any:
+    return oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        temperature=0,
+    )
+
+
+def test_models_lists_presets_with_parent(http: httpx.Client) -> None:
+    cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+    assert set(cards) == {MODEL, ON, AUTO, HALF}
+    for pid in (ON, AUTO, HALF):
+        assert cards[pid]["parent"] == MODEL and cards[pid]["root"] == MODEL
+    assert cards[ON]["steering"] is True and cards[AUTO]["steering"] == "auto"
+    assert cards[HALF]["steering"] == {"interventions": {"recall": 0.5}}
+    assert "parent" not in cards[MODEL]
+
+
+def test_sdk_chooses_steering_by_model(oai: openai.OpenAI, http: httpx.Client) -> None:
+    """The preset answers steered (its echo names it), the base id unsteered; in one mixed
+    batch of concurrent requests, each unsteered row equals its solo answer."""
+    solo = _ask(oai, MODEL).choices[0].message.content
+    steered = _ask(oai, ON)
+    assert steered.model == ON
+    echo = steered.model_extra["steering"]
+    assert echo["applied"] and echo["preset"] == ON
+    assert steered.choices[0].message.content != solo
+    before = metric(http, "steerserve_preset_requests_total", preset=ON, status="200")
+    with ThreadPoolExecutor(6) as pool:
+        rows = list(pool.map(lambda m: _ask(oai, m), [MODEL, ON, MODEL, HALF, MODEL, ON]))
+    for model, r in zip([MODEL, ON, MODEL, HALF, MODEL, ON], rows, strict=True):
+        assert r.model == model
+        if model == MODEL:
+            assert r.choices[0].message.content == solo
+            assert not r.model_extra["steering"]["applied"]
+        else:
+            assert r.model_extra["steering"]["preset"] == model
+    after = metric(http, "steerserve_preset_requests_total", preset=ON, status="200")
+    assert after - before == 2
+
+
+def test_preset_on_completions_stream_and_ab(http: httpx.Client) -> None:
+    body = {"model": ON, "prompt": FR, "max_tokens": 4, "temperature": 0}
+    r = http.post("/v1/completions", json=body).json()
+    assert r["model"] == ON and r["steering"]["preset"] == ON
+    assert r["choices"][0]["steering"]["applied"]
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert {c["model"] for c in chunks} == {ON} and chunks[0]["steering"]["preset"] == ON
+    ab = {"model": HALF, "messages": [{"role": "user", "content": FR}], "max_tokens": 4}
+    r = http.post("/v1/chat/completions/ab", json=ab).json()
+    assert r["steered"]["steering"]["preset"] == HALF
+    assert [iv["scale"] for iv in r["steered"]["steering"]["interventions"]] == [2.0]
+    assert not r["unsteered"]["steering"]["applied"]
+
+
+def test_preset_with_steering_or_unknown_model(http: httpx.Client) -> None:
+    body = {"model": ON, "messages": [{"role": "user", "content": FR}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body | {"steering": False})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "steering"
+    assert ON in err["message"] and "steering" in err["message"]
+    r = http.post("/v1/chat/completions", json=body | {"model": f"{MODEL}:nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_lm_eval_runs_steered_by_model_id(
+    server: Server, http: httpx.Client, tiny_llama: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """lm-eval's loglikelihood requests with ``model=<preset>``: every one is steered (the
+    steered counter rises by lm-eval's request count)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    docs = [{"q": f"Q{i}?", "choices": ["yes", "no"], "gold": i % 2} for i in range(3)]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "mc.yaml").write_text(
+        f"task: preset_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"
+    )
+    steered = {"endpoint": "completions", "arm": "steered", "status": "200"}
+    before = metric(http, "steerserve_requests_total", **steered)
+    lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"model={ON},base_url={server.url}/v1/completions,tokenizer={tiny_llama},"
+            "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,batch_size=1"
+        ),
+        tasks=["preset_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+    )
+    assert metric(http, "steerserve_requests_total", **steered) - before == 6  # 3 docs x 2
+
+
+def test_bad_presets_refuse_to_start(tiny_llama: Path, root: Path) -> None:
+    """A SPEC that is not a steering value is refused with the options; one naming a missing
+    vector, or a name that collides, fails the start with the reason."""
+    import asyncio
+
+    from steerserve.server.options import OptionError, ServeOptions, settings
+    from steerserve.server.state import ServerState
+
+    for bad in ("nospec", "x={not json", 'x={"interventions": {}}'):
+        with pytest.raises(OptionError) as e:
+            settings(ServeOptions(model=str(tiny_llama), presets=(bad,)))
+        assert e.value.param == "--preset"
+    for presets, why in (
+        (('x={"interventions": {"nope": 1}}',), "nope"),
+        (("steering-on=on",), "taken"),
+        ((f"{MODEL}:steering-on=on",), "taken"),  # the default preset's id
+    ):
+        state = ServerState(_settings(tiny_llama, root, presets=presets))
+        try:
+            asyncio.run(state.load())
+            assert state.load_error is not None and why in str(state.load_error), presets
+        finally:
+            asyncio.run(state.backend.shutdown())
