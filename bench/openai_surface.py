@@ -1,8 +1,8 @@
 """The OpenAI surface on a real model, by hand (issue 29's acceptance): the ``openai`` SDK's
 ``parse`` and a tool round trip (``tool_choice`` required), steered and unsteered; JSON-schema
-output for 20 prompts; lm-eval ``local-completions`` multiple choice, unsteered and steered (a
-second server whose default policy is ``on``: lm-eval cannot add a body field). Every reply is
-written to ``--out`` (JSON lines) with a summary.
+output for 20 prompts; lm-eval ``local-completions`` multiple choice with the base model id and
+with the ``<model>:steering-on`` preset (lm-eval cannot add a body field; the preset is chosen by
+``model`` alone). Every reply is written to ``--out`` (JSON lines) with a summary.
 
     .venv/bin/python bench/openai_surface.py --model default --out docs/results/openai-surface
 """
@@ -191,15 +191,8 @@ def main() -> None:
     proc = serve(args.model, args.port, "off")
     try:
         summary |= sdk_checks(url, name, log)
-        summary["lm_eval_unsteered"] = lm_eval_mc(url, name, str(path), "unsteered", log)
-    finally:
-        proc.terminate()
-        proc.wait(120)
-    proc = serve(args.model, args.port, "on")
-    try:
-        summary["lm_eval_steered"] = lm_eval_mc(
-            url, name, str(path), "steered (--steering on)", log
-        )
+        for model_id in (name, f"{name}:steering-on"):
+            summary[f"lm_eval {model_id}"] = lm_eval_mc(url, model_id, str(path), model_id, log)
     finally:
         proc.terminate()
         proc.wait(120)

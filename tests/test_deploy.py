@@ -1076,7 +1076,8 @@ def test_cpu_venv_serves_chat_completions(cpu_venv: Path, tiny_llama: Path, tmp_
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
         auth = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=base, headers=auth, timeout=120) as client:
-            (card,) = client.get("/v1/models").json()["data"]
+            card, *presets = client.get("/v1/models").json()["data"]
+            assert all(p["parent"] == card["id"] for p in presets)
             body = {
                 "model": card["id"],
                 "messages": [{"role": "user", "content": "Hello! What is the capital of France?"}],

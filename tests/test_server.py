@@ -210,7 +210,12 @@ def test_health_ready_models(server: Server, http: httpx.Client) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ready").json()["status"] == "ready"
     models = http.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    # the base model, then the served artifact's steering presets (test_server_presets.py)
+    assert [m["id"] for m in models["data"]] == [
+        MODEL,
+        f"{MODEL}:steering-on",
+        f"{MODEL}:steering-auto",
+    ]
     assert models["data"][0]["max_model_len"] == 512
 
 
