@@ -179,23 +179,25 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--out", type=Path, default=Path("docs/results/openai-surface"))
+    ap.add_argument("--url", help="a server already serving --model (none: start one)")
     args = ap.parse_args()
     from steerserve.models import resolve_model
 
     path = resolve_model(args.model)
     name = Path(path).name
-    url = f"http://127.0.0.1:{args.port}"
+    url = args.url or f"http://127.0.0.1:{args.port}"
     log: list[dict] = []
     summary: dict = {"model": name}
     t0 = time.monotonic()
-    proc = serve(args.model, args.port, "off")
+    proc = None if args.url else serve(args.model, args.port, "off")
     try:
         summary |= sdk_checks(url, name, log)
         for model_id in (name, f"{name}:steering-on"):
             summary[f"lm_eval {model_id}"] = lm_eval_mc(url, model_id, str(path), model_id, log)
     finally:
-        proc.terminate()
-        proc.wait(120)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(120)
     summary["seconds"] = round(time.monotonic() - t0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "replies.jsonl").write_text(

@@ -181,3 +181,40 @@ def test_bad_presets_refuse_to_start(tiny_llama: Path, root: Path) -> None:
             assert state.load_error is not None and why in str(state.load_error), presets
         finally:
             asyncio.run(state.backend.shutdown())
+
+
+def test_ab_preset_is_the_experiments_steered_arm(
+    tiny_llama: Path, root: Path, tmp_path: Path
+) -> None:
+    """``--ab-preset``: enrolled users on the steered arm get the preset (echo and decision log
+    name it); the unsteered arm stays unsteered."""
+    from steerserve.server import create_app
+
+    log = tmp_path / "ab.jsonl"
+    settings = _settings(
+        tiny_llama,
+        root,
+        presets=('half={"interventions": {"recall": 0.5}}',),
+        ab_split=0.5,
+        ab_name="presets",
+        ab_log=str(log),
+        ab_preset="half",
+    )
+    srv = Server(create_app(settings))
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            arms = {}
+            for i in range(12):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": FR}],
+                        "max_tokens": 2, "user": f"user-{i}"}  # fmt: skip
+                echo = c.post("/v1/chat/completions", json=body).json()["steering"]
+                arms[echo["experiment"]["arm"]] = echo
+        assert set(arms) == {"steered", "unsteered"}
+        assert arms["steered"]["preset"] == HALF and arms["steered"]["applied"]
+        assert "preset" not in arms["unsteered"] and not arms["unsteered"]["applied"]
+    finally:
+        srv.stop()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r.get("preset") for r in records if r.get("arm") == "steered"} == {HALF}
+    assert all("preset" not in r for r in records if r.get("arm") == "unsteered")
