@@ -27,6 +27,8 @@ import pytest
 import torch
 from test_server import Server
 
+from steerserve.server.presets import DEFAULTS as PRESETS
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +111,8 @@ def text(resp: dict[str, Any]) -> str:
 def test_a_japanese_chat_through_the_openai_sdk(server: Server) -> None:
     """A chat turn in Japanese gets a Japanese answer that ends the turn (<|im_end|>)."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list().data] == [NAME]
+    # the base model, then the shipped artifact's steering presets (test_server_presets.py)
+    assert [m.id for m in client.models.list().data] == [NAME, *(f"{NAME}:{p}" for p in PRESETS)]
     resp = client.chat.completions.create(
         model=NAME,
         messages=[{"role": "user", "content": JA}],

@@ -36,7 +36,8 @@ def default_server() -> Iterator[Server]:
 def test_default_model_and_shipped_artifact(default_server: Server) -> None:
     with httpx.Client(base_url=default_server.url, timeout=300) as c:
         models = c.get("/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["gemma-3-270m"]
+        base = "gemma-3-270m"  # then its artifact's steering presets
+        assert [m["id"] for m in models] == [base, f"{base}:steering-on", f"{base}:steering-auto"]
         listing = c.get("/v1/steering/vectors").json()
         assert listing["default"].startswith("gemma-3-270m/")
         assert set(listing["data"][0]["interventions"]) == {"recall", "translation"}

@@ -351,7 +351,8 @@ def test_cli_serve_multiprocess_group_sigint_drains(
         _ab_arms(srv.url)
         assert srv.saw_loading  # liveness came first, readiness once the engine was loaded
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny"]
+        ids = [m.id for m in client.models.list().data]  # the base model, then its presets
+        assert ids == ["tiny", "tiny:steering-on", "tiny:steering-auto"]
         resp = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": FR}],

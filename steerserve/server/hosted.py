@@ -65,10 +65,8 @@ class Plan:
     labels: list[str]
     budget: int | None  # the client's max_tokens: beyond the context it is a 400, never cut
     max_model_len: int
-    vocab_size: int
     gens: list[AsyncGenerator[Any, None]]  # shared by the arms of a request: the flight closes them
     experiment: Enrolled | None = None
-    arm: int = 0  # the index of this plan's replies (A/B: 0 unsteered, 1 steered)
     calls: int = 0
     tokens: dict[str, list[int]] = field(default_factory=dict)
     error: BaseException | None = None
@@ -110,7 +108,7 @@ class Plan:
                     first = False
                 t[1] += sum(len(o.token_ids) for o in out.outputs)
                 if self.experiment is not None and self.experiment.replies is not None:
-                    self.experiment.add_replies(self.arm if len(self.prepared) == 1 else i, out)
+                    self.experiment.add_replies(i, out)  # an enrolled request has one arm
                 yield out
         except BaseException as e:
             if self.error is None and isinstance(e, Exception):

@@ -87,9 +87,11 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     per_prompt = await steer_prompts(state, spec, texts, ep.ab)
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
-    if (named := preset.id if preset else call.experiment and call.experiment.preset) is not None:
-        per_prompt = [[a if not a.prepared.steered else named_by(a, named) for a in p]
-                      for p in per_prompt]  # fmt: skip
+    named = preset.id if preset else call.experiment and call.experiment.preset
+    if named:  # the steered arms say which preset they serve
+        per_prompt = [
+            [named_by(a, named) if a.prepared.steered else a for a in p] for p in per_prompt
+        ]
     arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
     call.arm = "ab" if ep.ab else arms[0].label
     if req.use_beam_search and any(a.prepared.steered for p in per_prompt for a in p):
@@ -109,7 +111,6 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             [p[a].label for p in per_prompt],
             req.token_budget(),
             backend.max_model_len,
-            backend.vocab_size,
             gens,
             call.experiment,
         )
