@@ -56,26 +56,6 @@ def parse_steering(raw: Any) -> SteeringSpec | None:
 # --- requests ----------------------------------------------------------------------------------
 
 
-def _needs(field: str, flag: str) -> PydanticCustomError:
-    """A field given without the flag it depends on (OpenAI refuses these, so do we)."""
-    message = f"only allowed when '{flag}' is true"
-    return PydanticCustomError("dependency", "{message}", {"message": message, "field": field})
-
-
-def _publish_dependencies(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    """Each of ``model.DEPENDENCIES`` in its JSON schema as ``if`` (the field, not null) ``then``
-    (its flag true), so a client or fuzzer reading /openapi.json knows the rule."""
-    rules = [
-        {
-            "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
-            "then": {"required": [flag], "properties": {flag: {"const": True}}},
-        }
-        for field, flag in getattr(model, "DEPENDENCIES", {}).items()
-    ]
-    if rules:
-        schema["allOf"] = rules
-
-
 def _integral(v: Any) -> Any:
     """``2.0`` as ``2``: JSON Schema's ``integer`` (what /openapi.json publishes) includes it,
     so a client that validates against the document must not be refused; ``2.5`` stays wrong."""
@@ -85,7 +65,9 @@ def _integral(v: Any) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_dependencies)
+    """Our own request bodies (feedback, vector loads): strict."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- chat and completions: vLLM's request models, strict, plus ``steering`` ------------------------
