@@ -17,6 +17,7 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
+from _lm_eval import multiple_choice
 from pydantic import BaseModel
 from test_server import AUTH, KEY, MODEL, Server, make_artifact
 
@@ -333,41 +334,13 @@ def test_lm_eval_loglikelihood(
     """lm-evaluation-harness ``local-completions`` on a small local multiple-choice task: every
     request is ``echo`` + ``logprobs`` with ``max_tokens`` 1 (stock vLLM's shape), and each
     document gets an accuracy."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # what local-completions sends as its bearer key
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
     docs = [
         {"q": f"Question {i}: is {i} even?", "choices": ["yes", "no"], "gold": i % 2}
         for i in range(6)
     ]
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "mc.yaml").write_text(
-        "task: steerserve_mc\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: '{{q}}'\n"
-        "doc_to_choice: '{{choices}}'\n"
-        "doc_to_target: gold\n"
-        "metric_list:\n  - metric: acc\n"
+    acc = multiple_choice(
+        tmp_path, "steerserve_mc", docs, server.url, MODEL, tiny_llama, KEY, monkeypatch
     )
-    out = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=(
-            f"model={MODEL},base_url={server.url}/v1/completions,tokenizer={tiny_llama},"
-            "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1"
-        ),
-        tasks=["steerserve_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
-        limit=None,
-    )
-    acc = out["results"]["steerserve_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
 
 

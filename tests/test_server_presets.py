@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from _lm_eval import multiple_choice
 from test_server import AUTH, FR, KEY, MODEL, Server, make_artifact, metric
 
 ON = f"{MODEL}:steering-on"
@@ -131,30 +132,10 @@ def test_lm_eval_runs_steered_by_model_id(
 ) -> None:
     """lm-eval's loglikelihood requests with ``model=<preset>``: every one is steered (the
     steered counter rises by lm-eval's request count)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     docs = [{"q": f"Q{i}?", "choices": ["yes", "no"], "gold": i % 2} for i in range(3)]
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp_path / "mc.yaml").write_text(
-        f"task: preset_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: gold\nmetric_list:\n  - metric: acc\n"
-    )
     steered = {"endpoint": "completions", "arm": "steered", "status": "200"}
     before = metric(http, "steerserve_requests_total", **steered)
-    lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=(
-            f"model={ON},base_url={server.url}/v1/completions,tokenizer={tiny_llama},"
-            "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,batch_size=1"
-        ),
-        tasks=["preset_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
-    )
+    multiple_choice(tmp_path, "preset_mc", docs, server.url, ON, tiny_llama, KEY, monkeypatch)
     assert metric(http, "steerserve_requests_total", **steered) - before == 6  # 3 docs x 2
 
 
