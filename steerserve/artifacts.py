@@ -50,7 +50,7 @@ _SHAPE_KEYS = (
     "num_key_value_heads",
     "head_dim",
 )
-_SLUG = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}$"  # a path segment of an engine vector name
+SLUG = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}$"  # a path segment of an engine vector name
 Positions = Literal[tuple(POSITIONS)]  # type: ignore[valid-type]  # the engine's, by name
 OpName = Literal[tuple(OPS)]  # type: ignore[valid-type]  # the rows of engine/ops.py
 
@@ -88,7 +88,7 @@ class Intervention(_Strict):
     block ``layer``. ``op`` is written only when it is not ``add``, so a manifest of additive
     interventions reads as it did before operations existed (and older readers still load it)."""
 
-    name: str = Field(pattern=_SLUG)
+    name: str = Field(pattern=SLUG)
     tensor: str = Field(min_length=1)
     layer: int = Field(ge=0)
     scale: float
@@ -140,8 +140,8 @@ def _today() -> str:
 
 class Manifest(_Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
-    name: str = Field(pattern=_SLUG)
-    version: str = Field(pattern=_SLUG)
+    name: str = Field(pattern=SLUG)
+    version: str = Field(pattern=SLUG)
     created: str = Field(default_factory=_today)
     steerserve_version: str = __version__
     description: str = ""

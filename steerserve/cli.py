@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from steerserve import research_cli
+from steerserve import research_cli, tune_cli
 from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.steering import DEFAULT_MODE
@@ -325,6 +325,7 @@ def vectors_gate(
 
 for _name, _command in research_cli.COMMANDS:
     app.command(_name)(_command)
+app.command("tune")(tune_cli.tune)
 
 
 def main() -> None:

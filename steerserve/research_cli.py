@@ -27,14 +27,14 @@ def _resolve_model(model: str) -> Path:
 
 # --- extract / calibrate / eval: the two interventions, calibrated and evaluated --------------
 
-_MODEL_HELP = (
+MODEL_HELP = (
     "Local HF checkpoint folder, or an embedded model: 'default' (Qwen2.5-Coder-1.5B-Instruct, "
     "chat) or 'gemma-3-270m' (base, few-shot completion)."
 )
-_ENGINE_DTYPE_HELP = "vLLM dtype: auto, float32, bfloat16 or float16."
-_KV_HELP = "vLLM KV cache bytes (CPU needs one); 0 lets vLLM size it on a GPU."
+ENGINE_DTYPE_HELP = "vLLM dtype: auto, float32, bfloat16 or float16."
+KV_HELP = "vLLM KV cache bytes (CPU needs one); 0 lets vLLM size it on a GPU."
 _THREADS_HELP = "CPU cores for vLLM's threads, e.g. '0' or '0-1' (CPU only; default: vLLM's)."
-_FORM_HELP = (
+FORM_HELP = (
     "Prompt form: completion (few-shot text, base models), chat (messages rendered by the model's "
     "chat template, as the server renders them) or auto"
 )
@@ -44,15 +44,15 @@ _MAX_TOKENS_HELP = (
 )
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def _strs(text: str) -> tuple[str, ...]:
+def strs(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
@@ -60,7 +60,7 @@ def extract(
     out: Path = typer.Option(
         Path("out/candidates.safetensors"), help="Candidates file (.safetensors + .json sidecar)."
     ),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option("float32", help="torch dtype: float32, bfloat16 or float16."),
     per_lang: int = typer.Option(16, help="Train facts per language (relations interleaved)."),
@@ -71,7 +71,7 @@ def extract(
     seed: int = typer.Option(0, help="Seed of the demonstration choice."),
     langs: str = typer.Option("all", help="Comma-separated languages, or 'all'."),
     form: str = typer.Option(
-        "auto", help=_FORM_HELP + " (chat for a model whose name ends in -instruct, -it, -chat)."
+        "auto", help=FORM_HELP + " (chat for a model whose name ends in -instruct, -it, -chat)."
     ),
     recall_sources: str = typer.Option(
         "en,native,mixed",
@@ -84,11 +84,11 @@ def extract(
 
     ext = ex.ExtractConfig(
         per_lang, recall_shots, translation_shots, seed, batch_size,
-        _facts_langs() if langs == "all" else _strs(langs), form=form,
-        recall_sources=_strs(recall_sources),
+        _facts_langs() if langs == "all" else strs(langs), form=form,
+        recall_sources=strs(recall_sources),
     )  # fmt: skip
     cfg = ex.ExtractRun(model, _resolve_model(model), out, device, dtype, threads, ext)
-    _research(ex.run, cfg)
+    call_run(ex.run, cfg)
 
 
 def calibrate(
@@ -101,7 +101,7 @@ def calibrate(
         "NAME and VERSION are the artifact's.",
         show_default=False,
     ),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     objective: str = typer.Option(
         "logp",
         help="logp: choose by the paired change in teacher-forced log P(gold answer), "
@@ -119,7 +119,7 @@ def calibrate(
     ),
     max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
     form: str = typer.Option(
-        "auto", help=_FORM_HELP + " (the form the candidates were extracted in)."
+        "auto", help=FORM_HELP + " (the form the candidates were extracted in)."
     ),
     dataset: Path | None = typer.Option(
         None,
@@ -156,14 +156,14 @@ def calibrate(
     ),
     dtype: str = typer.Option(
         "auto",
-        help=_ENGINE_DTYPE_HELP + " With logp, the transformers dtype (auto: float32 on CPU, "
+        help=ENGINE_DTYPE_HELP + " With logp, the transformers dtype (auto: float32 on CPU, "
         "bfloat16 on a GPU).",
     ),
     device: str = typer.Option(
         "cpu", help="logp only: torch device of the scoring model (cpu, cuda, cuda:1, ...)."
     ),
     batch_size: int = typer.Option(64, help="logp only: items per forward pass."),
-    kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
+    kv_cache_bytes: int = typer.Option(512 << 20, help=KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option(
         "", help=_THREADS_HELP + " With logp, the number of cores listed is torch's thread count."
@@ -187,26 +187,26 @@ def calibrate(
     from steerserve.research import calibrate_run as run
 
     grid: dict[str, Any] = dict(
-        recall_variants=_strs(variants),
-        recall_scales=_floats(recall_scales),
-        translation_scales=_floats(translation_scales),
-        positions=_strs(positions),
+        recall_variants=strs(variants),
+        recall_scales=floats(recall_scales),
+        translation_scales=floats(translation_scales),
+        positions=strs(positions),
         top_k=top_k,
-        fine_factors=_floats(fine),
+        fine_factors=floats(fine),
         max_en_drop=max_en_drop,
         objective=objective,
         max_en_logp_drop=max_en_logp_drop,
     )
     if recall_layers:
-        grid["recall_layers"] = _ints(recall_layers)
+        grid["recall_layers"] = ints(recall_layers)
     if translation_layers:
-        grid["translation_layers"] = _ints(translation_layers)
+        grid["translation_layers"] = ints(translation_layers)
     cfg = run.CalibrateConfig(
         candidates, out, model, objective, per_lang, en_items, shots, max_tokens, form, dataset,
         grid, dtype, device, batch_size, kv_cache_bytes, max_num_seqs, cpu_threads, 0, holdout,
         overwrite, summary_dir,
     )  # fmt: skip
-    _research(run.run, cfg)
+    call_run(run.run, cfg)
 
 
 _ARTIFACT_HELP = (
@@ -220,7 +220,7 @@ def eval_cmd(
     artifact: Path | None = typer.Option(None, help=_ARTIFACT_HELP, show_default=False),
     vectors_dir: str = typer.Option(None, help=_VECTORS_HELP, show_default=False),
     out: Path = typer.Option(Path("out/eval"), help="Writes report.json, report.md, accuracy.png."),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     dataset: Path | None = typer.Option(
         None,
         help="JSONL {id, lang, prompt | messages, answers, answers_en?, answers_zh?} (completion "
@@ -247,7 +247,7 @@ def eval_cmd(
     split: str = typer.Option("test", help="Built-in split: test (held out) or calib."),
     form: str = typer.Option(
         "auto",
-        help=_FORM_HELP + " (built-in split; auto: the form the artifact was calibrated in).",
+        help=FORM_HELP + " (built-in split; auto: the form the artifact was calibrated in).",
     ),
     max_tokens: int = typer.Option(0, help=_MAX_TOKENS_HELP, show_default=False),
     max_cut_share: float = typer.Option(
@@ -262,8 +262,8 @@ def eval_cmd(
         "overwritten, so a test runs once.",
         show_default=False,
     ),
-    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
-    kv_cache_bytes: int = typer.Option(512 << 20, help=_KV_HELP),
+    dtype: str = typer.Option("auto", help=ENGINE_DTYPE_HELP),
+    kv_cache_bytes: int = typer.Option(512 << 20, help=KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:
@@ -273,18 +273,18 @@ def eval_cmd(
     from steerserve.research.replies import BudgetError
 
     cfg = ev.EvalConfig(
-        _resolve_model(model), out, artifact, vectors_dir, dataset, _strs(arms), limit_per_lang,
+        _resolve_model(model), out, artifact, vectors_dir, dataset, strs(arms), limit_per_lang,
         _part(part), shots, split, form, max_tokens, max_cut_share, plan, dtype, kv_cache_bytes,
         max_num_seqs, cpu_threads,
     )  # fmt: skip
     try:
-        _research(ev.run, cfg)
+        call_run(ev.run, cfg)
     except BudgetError as e:
         typer.echo(f"error: {e} (report and replies so far in {out})", err=True)
         raise typer.Exit(1) from None
 
 
-def _research(run: Callable[..., Any], cfg: Any) -> Any:
+def call_run(run: Callable[..., Any], cfg: Any) -> Any:
     """Call a research ``run(config)``, its refusals said as a command line says them: a
     ``ConfigError`` is a usage error naming its option, a ``RunError`` is ``error: ...`` and
     exit status 1."""
@@ -314,7 +314,7 @@ def _part(text: str) -> tuple[int, int]:
 
 def headroom(
     out: Path = typer.Option(Path("out/headroom"), help="Writes report.json/md, replies.jsonl."),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     split: str = typer.Option("calib", help="Built-in split (calib: never the test facts)."),
     part: str = typer.Option("0/2", help="K/N: every N-th fact of each relation from the K-th."),
     langs: str = typer.Option("", help="Comma-separated languages (default: all 12)."),
@@ -324,14 +324,14 @@ def headroom(
     ),
     max_tokens: int = typer.Option(64, help=_MAX_TOKENS_HELP),
     max_cut_share: float = typer.Option(0.02, help="Exit 1 above this share of cut replies."),
-    dtype: str = typer.Option("auto", help=_ENGINE_DTYPE_HELP),
+    dtype: str = typer.Option("auto", help=ENGINE_DTYPE_HELP),
 ) -> None:
     """Chat-form headroom through vLLM, unsteered: the same facts zero-shot, after 5 turns in the
     query language, after 5 English turns, and handed the English name to write in the query
     language; asked in English/Chinese are the zero-shot en/zh items. Every reply kept."""
     from steerserve.research import chat_headroom as hr
 
-    unknown = set(_strs(conditions)) - set(hr.CONDITIONS)
+    unknown = set(strs(conditions)) - set(hr.CONDITIONS)
     if unknown:
         raise typer.BadParameter(f"unknown {sorted(unknown)}", param_hint="--conditions")
     cfg = hr.Config(
@@ -339,9 +339,9 @@ def headroom(
         out=out,
         split=split,
         part=_part(part),
-        langs=_strs(langs) or None,
+        langs=strs(langs) or None,
         limit_per_lang=limit_per_lang or None,
-        conditions=_strs(conditions) or tuple(hr.CONDITIONS),
+        conditions=strs(conditions) or tuple(hr.CONDITIONS),
         max_tokens=max_tokens,
         max_cut_share=max_cut_share,
         dtype=dtype,
@@ -358,7 +358,7 @@ def headroom(
 
 def train_vector(
     out: Path = typer.Option(..., help="The artifact folder to write (one intervention)."),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     layer: int = typer.Option(16, help="The block whose output the vector is added to."),
     relations: str = typer.Option(
         "capital_of,city_in", help="Relations trained on; the others are held out."
@@ -390,8 +390,8 @@ def train_vector(
     from steerserve.research import train_vector_run as tr
 
     cfg = tr.RunConfig(
-        model_dir=_resolve_model(model), out=out, relations=_strs(relations),
-        langs=_strs(langs) or None, replies=replies, replies_arm=replies_arm,
+        model_dir=_resolve_model(model), out=out, relations=strs(relations),
+        langs=strs(langs) or None, replies=replies, replies_arm=replies_arm,
         report_dir=report_dir, dtype=dtype, threads=threads,
         train=tv.TrainConfig(layer=layer, steps=steps, batch_size=batch_size, lr=lr,
                              norm_cap=norm_cap, kl_weight=kl_weight),
@@ -419,7 +419,7 @@ def rescore(
     from steerserve.research import rescore as rs
 
     if caps:
-        for arm, row in rs.capped(out, _ints(caps), _resolve_model(model), dataset).items():
+        for arm, row in rs.capped(out, ints(caps), _resolve_model(model), dataset).items():
             cells = ", ".join(
                 f"{f'{c} tokens' if c else 'whole'} {100 * v:.1f}" for c, v in row.items()
             )
@@ -441,7 +441,7 @@ def audit_sample(
     "script" (query, latin, han, other) to each line for audit-score."""
     from steerserve.research import audit
 
-    n = {k: int(v) for k, v in (x.split("=") for x in _strs(per_lang))}
+    n = {k: int(v) for k, v in (x.split("=") for x in strs(per_lang))}
     rows = audit.sample(audit.read_replies(replies), n, seed)
     audit.write_jsonl(out, rows)
     typer.echo(f"wrote {len(rows)} replies to read to {out}")
@@ -475,7 +475,7 @@ def analyze(
     out: Path = typer.Option(
         Path("out/analysis"), help="Writes report.json, report.md and PNG figures here."
     ),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     dataset: Path | None = typer.Option(
         None,
         help="JSONL {id, lang, prompt | messages, answers, answers_en, answers_zh?, sep?}; "
@@ -491,7 +491,7 @@ def analyze(
     ),
     form: str = typer.Option(
         "auto",
-        help=_FORM_HELP + " (built-in split; auto: the artifact's form, else by the model's name).",
+        help=FORM_HELP + " (built-in split; auto: the artifact's form, else by the model's name).",
     ),
     sample: int = typer.Option(
         12, help="Seeded random N items per language (same positions in every language); 0: all."
@@ -527,11 +527,11 @@ def analyze(
 
     cfg = an.AnalyzeConfig(
         _resolve_model(model), out, dataset, split, shots, form, sample, seed,
-        None if langs == "all" else _strs(langs), artifact, vectors_dir, _strs(arms), threshold,
-        tuple(_ints(window)) if window else None,  # type: ignore[arg-type]
+        None if langs == "all" else strs(langs), artifact, vectors_dir, strs(arms), threshold,
+        tuple(ints(window)) if window else None,  # type: ignore[arg-type]
         max_tokens, batch_size, threads, device, dtype,
     )  # fmt: skip
-    _research(an.run, cfg)
+    call_run(an.run, cfg)
 
 
 def _facts_langs() -> tuple[str, ...]:
@@ -544,11 +544,11 @@ def translation_vector(
     out: Path = typer.Option(
         ..., help="The artifact folder to write, ROOT/NAME/VERSION (VERSION: the folder's name)."
     ),
-    model: str = typer.Option("default", help=_MODEL_HELP),
+    model: str = typer.Option("default", help=MODEL_HELP),
     layer: int = typer.Option(..., help="The block whose output the vector is added to."),
     scale: float = typer.Option(0.5, help="Times the raw difference (raw units)."),
     langs: str = typer.Option("ja,ko,zh", help="Languages the train facts are pooled over."),
-    form: str = typer.Option("auto", help=_FORM_HELP + " (by the model's name)."),
+    form: str = typer.Option("auto", help=FORM_HELP + " (by the model's name)."),
     means: Path | None = typer.Option(
         None, help="Kept group means (torch file): reused when present, else computed and kept."
     ),
@@ -569,10 +569,10 @@ def translation_vector(
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--calibration") from None
     cfg = ta.TranslationArtifactConfig(
-        _resolve_model(model), out, layer, scale, _strs(langs), form, means, name or None,
+        _resolve_model(model), out, layer, scale, strs(langs), form, means, name or None,
         description, cal, threads=threads, overwrite=overwrite,
     )  # fmt: skip
-    _research(ta.run, cfg)
+    call_run(ta.run, cfg)
 
 
 #: (command name, function) in the order ``steerserve --help`` lists them.

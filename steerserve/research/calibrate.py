@@ -361,9 +361,11 @@ def build_artifact(
     overwrite: bool = False,
     extra_provenance: dict[str, Any] | None = None,
     description: str = DESCRIPTION,
+    languages: dict[str, Any] | None = None,
 ) -> Any:
     """Save the winner as ``recall`` + ``translation`` interventions, the sweep in each manifest
-    entry's ``calibration`` (the joint choice is one decision, so both carry it)."""
+    entry's ``calibration`` (the joint choice is one decision, so both carry it), and the gate
+    of ``auto`` (``languages``: the manifest's object; None: every non-English language)."""
     from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
 
     winner: Row = result["_winner"]
@@ -397,6 +399,7 @@ def build_artifact(
         model=binding_for_model(model_dir),
         interventions=ivs,
         description=description,
+        languages=languages,
     )
     return save_artifact(out_dir, manifest, tensors, overwrite=overwrite)
 

@@ -229,4 +229,6 @@ def confirm_logp(
         "confirms": bool(confirms),
         "rule": CONFIRM_RULE["chat" if chat else "completion"],
     }
+    # per item, for a per-language decision (``tune.gate``); dropped from the artifact
+    result["_holdout_items"] = {UNSTEERED: sw.results[(None, None)], "chosen": sw.results[pair]}
     return result

@@ -1,0 +1,111 @@
+"""``steerserve tune``'s options: parsed into a :class:`~steerserve.research.tune.TuneConfig`
+and handed to :func:`~steerserve.research.tune.run`; no research logic here.
+
+Why a file of its own: the one product command has as many options as extract, calibrate and
+eval together; beside them in ``research_cli.py`` that file would pass a thousand lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from steerserve.research_cli import (
+    ENGINE_DTYPE_HELP,
+    FORM_HELP,
+    KV_HELP,
+    MODEL_HELP,
+    call_run,
+    floats,
+    ints,
+    strs,
+)
+
+
+def tune(
+    model: str = typer.Option(..., help=MODEL_HELP, show_default=False),
+    out: Path = typer.Option(
+        ...,
+        help="Artifact to publish, ROOT/NAME/VERSION (e.g. vectors/llama-3.2-3b/v1); an existing "
+        "version is refused before anything runs.",
+        show_default=False,
+    ),
+    work: Path = typer.Option(
+        None,
+        help="Work folder of the stages' outputs (default out/tune/NAME-VERSION); running the "
+        "same command again resumes there.",
+        show_default=False,
+    ),
+    device: str = typer.Option("cpu", help="torch device of extraction and scoring: cpu, cuda."),
+    dtype: str = typer.Option(
+        "auto", help="transformers dtype (auto: float32 on CPU, bfloat16 on a GPU)."
+    ),
+    engine_dtype: str = typer.Option("auto", help="The test stage's " + ENGINE_DTYPE_HELP),
+    form: str = typer.Option("auto", help=FORM_HELP + " (by the model's name)."),
+    languages: str = typer.Option(
+        "", help="Comma-separated languages (English, the guard, always added); default all."
+    ),
+    dataset: Path | None = typer.Option(
+        None,
+        help="Your records (JSONL as eval --dataset, gold answers required): every third of each "
+        "language selects, confirms and tests; default the built-in fact set.",
+        show_default=False,
+    ),
+    candidates: Path | None = typer.Option(
+        None,
+        help="Candidates from 'steerserve extract' instead of the extract stage.",
+        show_default=False,
+    ),
+    extract_per_lang: int = typer.Option(16, help="Train facts per language to extract from."),
+    recall_sources: str = typer.Option("en,native,mixed", help="Recall variants to extract."),
+    per_lang: int = typer.Option(40, help="Built-in: facts per language on each calibration half."),
+    test_per_lang: int = typer.Option(
+        0, help="Built-in test split: first N per language (0: all)."
+    ),
+    recall_layers: str = typer.Option("", help="e.g. 4,6,8 (default: 22-56 % of the depth)."),
+    recall_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    translation_layers: str = typer.Option("", help="e.g. 12,14 (default: 67-89 % of the depth)."),
+    translation_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    variants: str = typer.Option(
+        "recall.native.diff,recall.mixed.diff,recall.en.diff", help="Recall candidates to sweep."
+    ),
+    top_k: int = typer.Option(3, help="Best of each vector carried into the joint stage."),
+    fine: str = typer.Option("0.5,1.5", help="Scale factors tried around the joint winner."),
+    alpha: float = typer.Option(0.05, help="Family-wise level of the per-language gates."),
+    min_effect: float = typer.Option(
+        0.3,
+        help="Accuracy gain a confirmation must be able to see at 80 % power; a language with "
+        "fewer items than that needs is closed.",
+    ),
+    max_en_drop: float = typer.Option(0.05, help="English accuracy the vectors may cost (guard)."),
+    max_en_logp_drop: float = typer.Option(0.1, help="Nats of English log P(gold) they may cost."),
+    batch_size: int = typer.Option(0, help="Scoring batch (0: sized for the machine)."),
+    kv_cache_bytes: int = typer.Option(-1, help=KV_HELP + " -1: sized for the machine."),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
+    stop_after: str = typer.Option(
+        "", help="Stop after this stage; the same command later goes on from there."
+    ),
+) -> None:
+    """Extract, calibrate (selection half), confirm (other half, per language), gate, test once,
+    publish: an artifact whose auto steers only the languages it was shown to help, with a
+    report beside it. Resumable: the same command again continues where a run stopped."""
+    from steerserve.research import tune as T
+
+    grid: dict[str, Any] = dict(
+        recall_variants=strs(variants), recall_scales=floats(recall_scales),
+        translation_scales=floats(translation_scales), top_k=top_k, fine_factors=floats(fine),
+        max_en_logp_drop=max_en_logp_drop,
+    )  # fmt: skip
+    if recall_layers:
+        grid["recall_layers"] = ints(recall_layers)
+    if translation_layers:
+        grid["translation_layers"] = ints(translation_layers)
+    gate = T.GateSettings(alpha, min_effect, max_en_drop, max_en_logp_drop)
+    cfg = T.TuneConfig(
+        model, out, work, device, dtype, engine_dtype, form, strs(languages), dataset,
+        candidates, extract_per_lang, strs(recall_sources), per_lang, test_per_lang, None,
+        grid, gate, batch_size, kv_cache_bytes, 64, threads, stop_after,
+    )  # fmt: skip
+    call_run(T.run, cfg)
