@@ -54,6 +54,17 @@ def list_artifacts(root: Path, out: Console | None = None) -> int:
     return 0
 
 
+def tune_verdict(path: Path) -> str | None:
+    """The verdict line of the report ``steerserve tune`` publishes beside an artifact."""
+    import json
+
+    try:
+        verdict = json.loads((path / "report.json").read_text()).get("verdict")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return verdict if isinstance(verdict, str) else None
+
+
 def show(ref: str, root: Path, out: Console | None = None) -> int:
     """One artifact: model binding, interventions, provenance, calibration winner; 1 when it
     cannot be found or read."""
@@ -74,6 +85,8 @@ def show(ref: str, root: Path, out: Console | None = None) -> int:
     out.print(f"{fp.embedding_sha256[:16]}…")
     out.print(f"layers: {m.layer_convention}")
     out.print(describe_auto(m))
+    if verdict := tune_verdict(path):
+        out.print(f"tune verdict: {verdict} (report.md beside the manifest)", style="bold")
     for iv in m.interventions:
         out.print(m.vector_name(iv), style="bold", end="")
         out.print(

@@ -151,14 +151,3 @@ def write_report(ctx: Any, out: Path) -> dict[str, Any]:
     rep = build(ctx)
     R.write(out, rep, markdown(rep), {"gates.png": lambda p: plot(rep, p)})
     return rep
-
-
-def read_verdict(artifact_dir: Path) -> str | None:
-    """The verdict line of a tuned artifact's report, or None (not made by ``tune``)."""
-    import json
-
-    path = artifact_dir / "report.json"
-    try:
-        return json.loads(path.read_text()).get("verdict")
-    except (OSError, ValueError):
-        return None

@@ -69,6 +69,9 @@ class Context:
             self._scorer = Runner(mdl, tok, self.batch_size)
         return self._scorer
 
+    def release_scorer(self) -> None:
+        self._scorer = None
+
     def candidates(self) -> Any:
         from steerserve.research.extract import Candidates
 
@@ -203,8 +206,12 @@ def _description(decision: dict[str, Any]) -> str:
 
 def test(ctx: Context) -> None:
     """The test split once: unsteered, auto (the gate) and both (steering on), as served."""
+    import gc
+
     from steerserve.research.tune.testing import run_test
 
+    ctx.release_scorer()  # the engine needs the memory the transformers copy holds
+    gc.collect()
     run_test(ctx)
 
 
