@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,16 @@ class SweepBook:
         self.seen: dict[Pair, Row] = {}
         self.log = log
 
+    @staticmethod
+    def stage_name(stage: str, pair: Pair) -> str:
+        """A coarse row is named by what it steers: unsteered, recall or translation."""
+        if stage != "coarse":
+            return stage
+        return "recall" if pair[0] else "translation" if pair[1] else UNSTEERED
+
+    def run_many(self, stage: str, pairs: Sequence[Pair]) -> list[Row]:  # pragma: no cover
+        raise NotImplementedError
+
     def keep(self, stage: str, pair: Pair, row: Row, scores: str) -> Row:
         """Remember ``row`` as ``pair``'s and log it with its ``scores``."""
         self.rows.append(row)
@@ -219,6 +229,9 @@ class Sweep(SweepBook):
     def register(self, s: Setting) -> None:
         if s.vector not in self.engine.registry:
             self.engine.register_vector(s.vector, unit_scaled(self.cands, s.variant, s.layer))
+
+    def run_many(self, stage: str, pairs: Sequence[Pair]) -> list[Row]:
+        return [self.run(self.stage_name(stage, p), *p) for p in pairs]
 
     def run(self, stage: str, recall: Setting | None, translation: Setting | None) -> Row:
         key = (recall, translation)
@@ -293,6 +306,43 @@ def fine_pairs(cur: Row, grid: Grid) -> tuple[list[Pair], list[Pair]]:
     return scaled, moved
 
 
+@dataclass(frozen=True)
+class Objective:
+    """How the plan ranks rows: the top ``k`` carried into the joint stage, the best row
+    within the English guard (None: no row is), and the score that orders rows when none is."""
+
+    carry: Callable[[Sequence[Row], Row, int], list[Row]]
+    best: Callable[[Sequence[Row], Row], Row | None]
+    score: Callable[[Row], float]
+
+
+def run_plan(sw: SweepBook, grid: Grid, obj: Objective) -> tuple[Row, Row]:
+    """The one plan of both objectives: each vector alone (coarse), the top-k of each paired
+    (joint), scales and positions around the best pair (fine); the unsteered row and the
+    winner (the best pair within the guard, else the joint stage's best by score)."""
+    rec, tr = coarse_settings(grid)
+    coarse = [(None, None)] + [(r, None) for r in rec] + [(None, t) for t in tr]
+    rows = sw.run_many("coarse", coarse)
+    base, rec_rows, tr_rows = rows[0], rows[1 : 1 + len(rec)], rows[1 + len(rec) :]
+    top_r, top_t = obj.carry(rec_rows, base, grid.top_k), obj.carry(tr_rows, base, grid.top_k)
+    joint = sw.run_many("joint", joint_pairs(top_r, top_t))
+    cur = obj.best(joint, base) or max(joint, key=obj.score)
+    scaled, moved = fine_pairs(cur, grid)
+    sw.run_many("fine", scaled)
+    sw.run_many("positions", moved)
+    both = [r for r in sw.rows if r.recall is not None and r.translation is not None]
+    return base, obj.best(both, base) or cur
+
+
+def accuracy_objective(grid: Grid) -> Objective:
+    """Greedy non-English accuracy, English accuracy within ``grid.max_en_drop``."""
+    return Objective(
+        carry=lambda rows, base, k: sorted(rows, key=lambda r: -r.non_en)[:k],
+        best=lambda rows, base: next(iter(best(rows, base, grid.max_en_drop)), None),
+        score=lambda r: r.non_en,
+    )
+
+
 def feasible(row: Row, base: Row, max_en_drop: float) -> bool:
     return row.en >= base.en - max_en_drop - 1e-9
 
@@ -314,23 +364,7 @@ def calibrate(
     """Coarse marginal sweeps, a joint stage over the top-k of each, a fine scale stage."""
     t0 = time.perf_counter()
     sw = Sweep(engine, cands, records, max_tokens, log)
-    base = sw.run(UNSTEERED, None, None)
-    rec, tr = coarse_settings(grid)
-    rec_rows = [sw.run("recall", r, None) for r in rec]
-    tr_rows = [sw.run("translation", None, t) for t in tr]
-    # joint: the top-k of each by non-English accuracy
-    top_r = sorted(rec_rows, key=lambda r: -r.non_en)[: grid.top_k]
-    top_t = sorted(tr_rows, key=lambda r: -r.non_en)[: grid.top_k]
-    joint = [sw.run("joint", *p) for p in joint_pairs(top_r, top_t)]
-    # fine: around the best feasible joint row
-    cur = (best(joint, base, grid.max_en_drop) or sorted(joint, key=lambda r: -r.non_en))[0]
-    scaled, moved = fine_pairs(cur, grid)
-    for p in scaled:
-        sw.run("fine", *p)
-    for p in moved:
-        sw.run("positions", *p)
-    both_rows = [r for r in sw.rows if r.recall is not None and r.translation is not None]
-    winner = (best(both_rows, base, grid.max_en_drop) or [cur])[0]
+    base, winner = run_plan(sw, grid, accuracy_objective(grid))
     chat = any("messages" in r for r in records)
     return {
         "objective": (

@@ -18,15 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from steerserve.research.arms import UNSTEERED
-from steerserve.research.calibrate import (
-    Grid,
-    Row,
-    Setting,
-    SweepBook,
-    coarse_settings,
-    fine_pairs,
-    joint_pairs,
-)
+from steerserve.research.calibrate import Grid, Objective, Row, Setting, SweepBook, run_plan
 from steerserve.research.extract import Candidates, unit_scaled
 from steerserve.research.runner import entry_edits
 from steerserve.research.scorer import rules
@@ -37,9 +29,17 @@ class LogpSweep(SweepBook):
     """Scores settings in transformers, many per call (the prompt prefix KV is shared), each
     paired against the unsteered arm of the same records (run first)."""
 
-    def __init__(self, scorer: Any, cands: Candidates, records: Sequence[dict], log: Any = print):
+    def __init__(
+        self,
+        scorer: Any,
+        cands: Candidates,
+        records: Sequence[dict],
+        log: Any = print,
+        progress: bool = False,
+    ):
         super().__init__(log)
         self.scorer, self.cands, self.records = scorer, cands, records
+        self.progress = progress  # a bar per batch of settings
         self.base: list[dict] | None = None
         self.results: dict[tuple, list[dict]] = {}  # per-item results of each pair
 
@@ -56,7 +56,8 @@ class LogpSweep(SweepBook):
         todo = list(dict.fromkeys(p for p in pairs if p not in self.seen))
         if todo:
             t0 = time.perf_counter()
-            res, _ = self.scorer.run(self.records, [self._step(p) for p in todo], progress=False)
+            bar = f"{stage} ({len(todo)} settings)" if self.progress else False
+            res, _ = self.scorer.run(self.records, [self._step(p) for p in todo], progress=bar)
             secs = (time.perf_counter() - t0) / len(todo)
             for p, r in zip(todo, res, strict=True):
                 if self.base is None:
@@ -78,7 +79,7 @@ class LogpSweep(SweepBook):
     def _row(self, stage: str, pair: tuple, res: Sequence[dict], secs: float) -> Row:
         assert self.base is not None
         recs = self.records
-        row = Row(stage, pair[0], pair[1], seconds=secs)
+        row = Row(self.stage_name(stage, pair), pair[0], pair[1], seconds=secs)
         acc = by_lang(recs, [r["correct"] for r in res])
         row.per_lang = {k: sum(v) / len(v) for k, v in acc.items()}
         row.non_en = lang_mean(non_english(acc))
@@ -107,35 +108,29 @@ def best_logp(rows: Sequence[Row], grid: Grid, k: int = 1) -> list[Row]:
     return sorted(ok, key=lambda r: -(r.d_logp or 0.0))[:k]
 
 
+def logp_objective(grid: Grid) -> Objective:
+    """Paired Δ log P(gold), non-English, English log P within ``grid.max_en_logp_drop``."""
+    return Objective(
+        carry=lambda rows, base, k: best_logp(rows, grid, k) or list(rows[:k]),
+        best=lambda rows, base: next(iter(best_logp(rows, grid)), None),
+        score=lambda r: r.d_logp or 0.0,
+    )
+
+
 def calibrate_logp(
     scorer: Any,
     cands: Candidates,
     records: Sequence[dict],
     grid: Grid,
     log: Any = print,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """:func:`calibrate`'s plan (``coarse_settings``, ``joint_pairs``, ``fine_pairs``), chosen
     by paired Δ mean log P(gold), non-English, with English log P within
     ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
     t0 = time.perf_counter()
-    sw = LogpSweep(scorer, cands, records, log)
-    rec, tr = coarse_settings(grid)
-    rows = sw.run_many(
-        "coarse", [(None, None)] + [(r, None) for r in rec] + [(None, t) for t in tr]
-    )
-    base, rec_rows, tr_rows = rows[0], rows[1 : 1 + len(rec)], rows[1 + len(rec) :]
-    base.stage = UNSTEERED
-    top_r = best_logp(rec_rows, grid, grid.top_k) or rec_rows[: grid.top_k]
-    top_t = best_logp(tr_rows, grid, grid.top_k) or tr_rows[: grid.top_k]
-    joint = sw.run_many("joint", joint_pairs(top_r, top_t))
-    cur = (best_logp(joint, grid) or sorted(joint, key=lambda r: -(r.d_logp or 0.0)))[0]
-    scaled, moved = fine_pairs(cur, grid)
-    sw.run_many("fine", scaled + moved)
-    for r in sw.rows:
-        if r.stage == "coarse":
-            r.stage = "recall" if r.recall else "translation" if r.translation else UNSTEERED
-    both = [r for r in sw.rows if r.recall is not None and r.translation is not None]
-    winner = (best_logp(both, grid) or [cur])[0]
+    sw = LogpSweep(scorer, cands, records, log, progress)
+    base, winner = run_plan(sw, grid, logp_objective(grid))
     chat = any("messages" in r for r in records)
     return {
         "objective": (
@@ -199,13 +194,14 @@ def confirm_logp(
     result: dict[str, Any],
     records: Sequence[dict],
     log: Any = print,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The chosen pair on the other half of the calibration facts, paired against the
     unsteered arm there; whether it confirms follows :data:`CONFIRM_RULE` for the form."""
 
     winner: Row = result["_winner"]
     grid = result["grid"]
-    sw = LogpSweep(scorer, cands, records, log)
+    sw = LogpSweep(scorer, cands, records, log, progress)
     pair = (winner.recall, winner.translation)
     base, row = sw.run_many("holdout", [(None, None), pair])
     acc = paired_bootstrap(

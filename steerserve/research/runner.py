@@ -117,6 +117,14 @@ def decided(text: str, rec: Mapping[str, Any]) -> bool:
     return True
 
 
+def _bar(progress: bool | str, total: int) -> Any:
+    """A tqdm bar named ``progress`` (a string), else one that shows nothing."""
+    from tqdm import tqdm
+
+    name = progress if isinstance(progress, str) else None
+    return tqdm(total=total, desc=name, unit="item", disable=name is None, mininterval=2.0)
+
+
 # --- edits and hooks ---------------------------------------------------------------------------
 
 
@@ -277,11 +285,12 @@ class Runner:
         records: Sequence[Mapping[str, Any]],
         edits: Sequence[Step] = (None,),
         capture: bool = False,
-        progress: bool = True,
+        progress: bool | str = True,
     ) -> tuple[list[list[dict]], torch.Tensor | None]:
         """Results ``[step][item]`` (a step: no edit, one, or several added up); with
         ``capture``, the last-token output of every block ``[N, L, H]`` (float32), taken in the
-        first step's pass (pass ``None`` first for unedited states)."""
+        first step's pass (pass ``None`` first for unedited states). ``progress``: log every
+        10 batches, or (a string) show a progress bar of that name."""
         enc = [encode(self.tok, r) for r in records]
         order = sorted(range(len(enc)), key=lambda i: (len(enc[i][0]), i))
         out: list[list[dict | None]] = [[None] * len(records) for _ in edits]
@@ -290,7 +299,8 @@ class Runner:
             h = self.model.config.get_text_config().hidden_size
             states = torch.zeros(len(records), self.num_layers, h)
         t0 = time.perf_counter()
-        with self.hooks.active():
+        bar = _bar(progress, len(order) * len(edits))
+        with bar, self.hooks.active():
             for n, b0 in enumerate(range(0, len(order), self.batch_size)):
                 batch = self._prefix(
                     [order[i] for i in range(b0, min(b0 + self.batch_size, len(order)))], enc
@@ -304,7 +314,8 @@ class Runner:
                         self.hooks.capture = None
                     for r, i in enumerate(batch.rows.tolist()):
                         out[k][i] = res[r]
-                if progress and n % 10 == 0:
+                    bar.update(len(batch.rows))
+                if progress is True and n % 10 == 0:
                     done = min(b0 + self.batch_size, len(order))
                     log.info("%d/%d items x %d edits, %.0f s", done, len(order), len(edits),
                              time.perf_counter() - t0)  # fmt: skip

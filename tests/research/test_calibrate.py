@@ -246,7 +246,7 @@ def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
         torch.set_num_threads(n_threads)
     sweep = result["sweep"]
     assert [r["stage"] for r in sweep] == [UNSTEERED, "recall", "recall", "translation",
-                                           "translation", "joint", "fine", "fine", "fine"]  # fmt: skip
+                                           "translation", "joint", "fine", "fine", "positions"]  # fmt: skip
     assert sweep[0]["d_logp"] == 0 and sweep[0]["d_logp_ci95"] == [0, 0]
     assert sweep[-1]["recall"]["positions"] == "all"
     pairs = [r for r in sweep if r["recall"] and r["translation"]]

@@ -48,6 +48,11 @@ def sign_test_p(wins: int, losses: int) -> float:
     return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2**n
 
 
+def beyond_chance(wins: int, losses: int, k: int, alpha: float) -> bool:
+    """More wins than losses than chance gives at level ``alpha / k`` (one-sided, exact)."""
+    return wins > losses and sign_test_p(wins, losses) * k < alpha
+
+
 def wins_needed(k: int, alpha: float) -> int:
     """The fewest wins (with no losses) that can reject at ``alpha / k``: below it no result
     could open a gate, whatever the steering did."""
@@ -138,7 +143,7 @@ def _verdict(
         )
     if not guard["ok"]:
         return False, f"closed: English outside its guard ({guard['why']})"
-    if row["p_bonferroni"] < s.alpha and row["wins"] > row["losses"]:
+    if beyond_chance(row["wins"], row["losses"], k, s.alpha):
         return True, (
             f"open: {row['wins']} wins vs {row['losses']} losses, p {row['p_one_sided']:.2g} "
             f"< {s.alpha:g}/{k}"

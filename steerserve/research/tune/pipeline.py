@@ -63,14 +63,14 @@ def run(cfg: TuneConfig, log: Any = print) -> dict[str, Any]:
 
     check(cfg)
     work = cfg.work_dir()
-    work.mkdir(parents=True, exist_ok=True)
     state = _state(work, cfg)
-    S.write_json(work / STATE, state)
     mdir = model_dir(cfg.model)
     fallback = "auto"
     if cfg.candidates is not None:
         fallback = Candidates.load(cfg.candidates).meta.get("form", "auto")
     p = parts(cfg, mdir, fallback)
+    work.mkdir(parents=True, exist_ok=True)  # only once nothing was refused
+    S.write_json(work / STATE, state)
     S.write_json(work / "splits.json", {"source": p.source, "form": p.form, **p.ids()})
     batch, kv, line = sized(cfg, mdir)
     log(line)

@@ -121,7 +121,7 @@ def calibrate(ctx: Context) -> None:
 
         raise ConfigError(str(e), "--recall-layers/--translation-layers/--positions") from None
     records = at_answer_position(ctx.scorer(), ctx.parts.select)
-    result = calibrate_logp(ctx.scorer(), cands, records, grid, log=ctx.log)
+    result = calibrate_logp(ctx.scorer(), cands, records, grid, log=ctx.log, progress=True)
     result["item_ids"] = [r["id"] for r in records]
     write_json(ctx.work / "calibration.json", _public(result))
 
@@ -149,7 +149,7 @@ def confirm(ctx: Context) -> None:
 
     result = calibration(ctx)
     held = at_answer_position(ctx.scorer(), ctx.parts.confirm)
-    confirm_logp(ctx.scorer(), ctx.candidates(), result, held, log=ctx.log)
+    confirm_logp(ctx.scorer(), ctx.candidates(), result, held, log=ctx.log, progress=True)
     items = result["_holdout_items"]  # unsteered and chosen results, item by item
     keep = ("correct", "logp", "text")
     write_json(
