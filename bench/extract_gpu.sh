@@ -20,4 +20,5 @@ PY=${PYTHON:-python}
 exec $PY -m steerserve tune --model "$MODEL" --device cuda --out "vectors/$SLUG/$VERSION" \
   --extract-per-lang 64 \
   --recall-layers 6,8,10,12,14,16 --recall-scales 0.05,0.1,0.25,0.5,1.0 \
-  --translation-layers 18,20,22,24,26 --translation-scales 0.05,0.1,0.25,0.5,1.0
+  --translation-layers 18,20,22,24,26 --translation-scales 0.05,0.1,0.25,0.5,1.0 \
+  --positions last_prompt_and_generated,all

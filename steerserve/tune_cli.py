@@ -65,11 +65,18 @@ def tune(
         0, help="Built-in test split: first N per language (0: all)."
     ),
     recall_layers: str = typer.Option("", help="e.g. 4,6,8 (default: 22-56 % of the depth)."),
-    recall_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    recall_scales: str = typer.Option(
+        "0.05,0.15,0.5", help="Residual-norm units (log-spaced: models differ tenfold)."
+    ),
     translation_layers: str = typer.Option("", help="e.g. 12,14 (default: 67-89 % of the depth)."),
-    translation_scales: str = typer.Option("0.25,0.5", help="Residual-norm units."),
+    translation_scales: str = typer.Option(
+        "0.05,0.15,0.5", help="Residual-norm units (log-spaced: models differ tenfold)."
+    ),
     variants: str = typer.Option(
         "recall.native.diff,recall.mixed.diff,recall.en.diff", help="Recall candidates to sweep."
+    ),
+    positions: str = typer.Option(
+        "last_prompt_and_generated", help="First is swept; others tried on the winner."
     ),
     top_k: int = typer.Option(3, help="Best of each vector carried into the joint stage."),
     fine: str = typer.Option("0.5,1.5", help="Scale factors tried around the joint winner."),
@@ -95,7 +102,8 @@ def tune(
 
     grid: dict[str, Any] = dict(
         recall_variants=strs(variants), recall_scales=floats(recall_scales),
-        translation_scales=floats(translation_scales), top_k=top_k, fine_factors=floats(fine),
+        translation_scales=floats(translation_scales), positions=strs(positions), top_k=top_k,
+        fine_factors=floats(fine),
         max_en_logp_drop=max_en_logp_drop,
     )  # fmt: skip
     if recall_layers:
