@@ -110,6 +110,8 @@ def _remaining(state: dict[str, Any], p: Any, stage: str) -> str:
     (seconds per item and setting; the engine's test is usually faster than that)."""
     cal = state["stages"].get("calibrate")
     if cal is None:
+        if stage != "extract":
+            return ""
         return f"{len(p.select)} selection, {len(p.confirm)} confirmation, {len(p.test)} test items"
     per_item = cal.get("per_item_setting_s")
     if per_item is None:
