@@ -21,7 +21,10 @@ from steerserve.engine.spec import SteeringEntry
 from steerserve.research.reference import greedy
 
 GROUP = 32
-W4_ATOL = 0.1
+# vLLM's 4-bit kernel on a CPU with AMX (its "amx" path, tiles of bfloat16 activations) moved a
+# log-probability of the tiny model by up to 0.164 from the dequantized reference (Xeon with
+# amx_bf16, 2026-12-05); its "vec" path (AVX-512, no AMX) stayed within 0.1.
+W4_ATOL = 0.2
 W4_MARGIN = 0.1
 
 
