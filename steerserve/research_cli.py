@@ -56,6 +56,32 @@ def strs(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def sweep_grid(
+    variants: str,
+    recall_layers: str,
+    recall_scales: str,
+    translation_layers: str,
+    translation_scales: str,
+    positions: str,
+    top_k: int,
+    fine: str,
+    max_en_logp_drop: float,
+    **more: Any,
+) -> dict[str, Any]:
+    """The sweep's options as ``calibrate.Grid.for_layers`` keywords (calibrate and tune take
+    the same ones); layers left empty are placed by the model's depth."""
+    grid: dict[str, Any] = dict(
+        recall_variants=strs(variants), recall_scales=floats(recall_scales),
+        translation_scales=floats(translation_scales), positions=strs(positions), top_k=top_k,
+        fine_factors=floats(fine), max_en_logp_drop=max_en_logp_drop, **more,
+    )  # fmt: skip
+    if recall_layers:
+        grid["recall_layers"] = ints(recall_layers)
+    if translation_layers:
+        grid["translation_layers"] = ints(translation_layers)
+    return grid
+
+
 def extract(
     out: Path = typer.Option(
         Path("out/candidates.safetensors"), help="Candidates file (.safetensors + .json sidecar)."
@@ -186,21 +212,10 @@ def calibrate(
     facts and re-checked on the other; the artifact records whether it confirmed."""
     from steerserve.research import calibrate_run as run
 
-    grid: dict[str, Any] = dict(
-        recall_variants=strs(variants),
-        recall_scales=floats(recall_scales),
-        translation_scales=floats(translation_scales),
-        positions=strs(positions),
-        top_k=top_k,
-        fine_factors=floats(fine),
-        max_en_drop=max_en_drop,
-        objective=objective,
-        max_en_logp_drop=max_en_logp_drop,
-    )
-    if recall_layers:
-        grid["recall_layers"] = ints(recall_layers)
-    if translation_layers:
-        grid["translation_layers"] = ints(translation_layers)
+    grid = sweep_grid(
+        variants, recall_layers, recall_scales, translation_layers, translation_scales,
+        positions, top_k, fine, max_en_logp_drop, max_en_drop=max_en_drop, objective=objective,
+    )  # fmt: skip
     cfg = run.CalibrateConfig(
         candidates, out, model, objective, per_lang, en_items, shots, max_tokens, form, dataset,
         grid, dtype, device, batch_size, kv_cache_bytes, max_num_seqs, cpu_threads, 0, holdout,

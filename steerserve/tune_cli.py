@@ -8,7 +8,6 @@ eval together; beside them in ``research_cli.py`` that file would pass a thousan
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -18,9 +17,8 @@ from steerserve.research_cli import (
     KV_HELP,
     MODEL_HELP,
     call_run,
-    floats,
-    ints,
     strs,
+    sweep_grid,
 )
 
 
@@ -100,16 +98,10 @@ def tune(
     report beside it. Resumable: the same command again continues where a run stopped."""
     from steerserve.research import tune as T
 
-    grid: dict[str, Any] = dict(
-        recall_variants=strs(variants), recall_scales=floats(recall_scales),
-        translation_scales=floats(translation_scales), positions=strs(positions), top_k=top_k,
-        fine_factors=floats(fine),
-        max_en_logp_drop=max_en_logp_drop,
+    grid = sweep_grid(
+        variants, recall_layers, recall_scales, translation_layers, translation_scales,
+        positions, top_k, fine, max_en_logp_drop,
     )  # fmt: skip
-    if recall_layers:
-        grid["recall_layers"] = ints(recall_layers)
-    if translation_layers:
-        grid["translation_layers"] = ints(translation_layers)
     gate = T.GateSettings(alpha, min_effect, max_en_drop, max_en_logp_drop)
     cfg = T.TuneConfig(
         model, out, work, device, dtype, engine_dtype, form, strs(languages), dataset,

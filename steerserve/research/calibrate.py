@@ -462,13 +462,20 @@ def split_records(records: Sequence[dict], holdout: bool) -> tuple[list[dict], l
     language, so both halves have every language (without ``holdout``: all, none)."""
     if not holdout:
         return list(records), []
+    sweep, held = round_robin(records, 2)
+    return sweep, held
+
+
+def round_robin(records: Sequence[dict], n: int) -> list[list[dict]]:
+    """``n`` parts with no record in two: the i-th record of each language goes to part
+    ``i % n``, so every part has every language."""
     seen: dict[str, int] = {}
-    halves: tuple[list[dict], list[dict]] = ([], [])
+    parts: list[list[dict]] = [[] for _ in range(n)]
     for r in records:
         k = seen.get(r["lang"], 0)
-        halves[k % 2].append(r)
+        parts[k % n].append(r)
         seen[r["lang"]] = k + 1
-    return halves
+    return parts
 
 
 def confirm(

@@ -8,7 +8,6 @@ code or an existing output version found after the sweep wastes all of it.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +132,7 @@ def parts(cfg: TuneConfig, model_dir: Path, fallback_form: str = "auto") -> Part
     """The records of a run: a dataset's, per language round robin in thirds; else the built-in
     calibration split's two halves and the test split. Every language must have enough items
     on each half that a confirmation could open its gate at all (``ConfigError`` otherwise)."""
+    from steerserve.research.calibrate import round_robin
     from steerserve.research.facts import eval_records
     from steerserve.research.records import load_records
 
@@ -144,7 +144,7 @@ def parts(cfg: TuneConfig, model_dir: Path, fallback_form: str = "auto") -> Part
             records, form = load_records(cfg.dataset, model_dir)
             if langs:
                 records = [r for r in records if r["lang"] in langs]
-            sel, con, test = _thirds(records)
+            sel, con, test = round_robin(records, 3)
             source = str(cfg.dataset)
         else:
             kw: dict[str, Any] = dict(shots=cfg.shots, langs=langs or None)
@@ -162,17 +162,6 @@ def parts(cfg: TuneConfig, model_dir: Path, fallback_form: str = "auto") -> Part
     p = Parts(sel, con, test, form, source)
     _check_counts(p, cfg.gate.alpha)
     return p
-
-
-def _thirds(records: Sequence[dict]) -> tuple[list[dict], list[dict], list[dict]]:
-    """Every third record of each language into selection, confirmation and test."""
-    seen: dict[str, int] = {}
-    out: tuple[list[dict], list[dict], list[dict]] = ([], [], [])
-    for r in records:
-        k = seen.get(r["lang"], 0)
-        out[k % 3].append(r)
-        seen[r["lang"]] = k + 1
-    return out
 
 
 def _check_counts(p: Parts, alpha: float) -> None:

@@ -136,7 +136,6 @@ def calibration(ctx: Context) -> dict[str, Any]:
 
     result = read_json(ctx.work / "calibration.json")
     c = result["chosen"]
-    result["grid"]["recall_variants"] = tuple(result["grid"]["recall_variants"])
     result["_winner"] = Row(c["stage"], Setting(**c["recall"]), Setting(**c["translation"]))
     return result
 
