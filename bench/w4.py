@@ -11,7 +11,11 @@ arms alternating over ``--cycles``:
 * worker memory (resident, the process and its children) and engine init time.
 
 Arms are ``<weights>:<dtype>``: ``full`` is the converted checkpoint, ``w4`` its 4-bit sibling
-(steerserve.quantize); dtype is what vLLM computes in (4-bit weights need bfloat16 or float16).
+(steerserve.quantize) through vLLM's default kernel, ``w4a16`` the same checkpoint with
+``VLLM_CPU_INT4_W4A8=0``; dtype is what vLLM computes in (4-bit weights need bfloat16 or float16).
+vLLM's default on an AMX CPU in bfloat16 is ``int4_scaled_mm_cpu``, which also quantizes each
+token's activations to int8 ("w4a8"); elsewhere, or with that variable off, ``cpu_gemm_wna16``
+(16-bit activations, its "amx" or "vec" path). Each row names the kernel that ran.
 The floor of each arm is computed from the bytes a decode step reads: every tensor but the token
 embedding (a lookup reads single rows), in the dtype it is held in at serving time.
 
@@ -39,6 +43,8 @@ from overhead import _prompts  # noqa: E402
 
 DEFAULT_ARMS = "full:float32,full:bfloat16,w4:bfloat16"
 SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: weights -> extra environment of its child (vLLM reads VLLM_CPU_INT4_W4A8 at weight loading)
+WEIGHTS = {"full": {}, "w4": {}, "w4a16": {"VLLM_CPU_INT4_W4A8": "0"}}
 
 
 def bandwidth_gbs(gib: int = 1, repeats: int = 5) -> float:
@@ -86,6 +92,8 @@ def folder_of(model: str, weights: str) -> Path:
     from steerserve.models import resolve_model, w4_dir
 
     path = Path(resolve_model(model))
+    if weights not in WEIGHTS:
+        raise SystemExit(f"unknown weights {weights!r}: one of {', '.join(WEIGHTS)}")
     if weights == "full":
         return path
     w4 = w4_dir(path)
@@ -134,15 +142,30 @@ def arm(spec: str, args: argparse.Namespace) -> dict:
             "ms_per_token": ms,
             "burst_tps": tps,
             "step_bytes": step_bytes(folder, dtype),
+            "kernel": kernel(weights, dtype),
         }
     finally:
         eng.shutdown()
 
 
+def kernel(weights: str, dtype: str) -> str:
+    """The 4-bit kernel vLLM picks for these weights (its CPUWNA16LinearKernel's own rule)."""
+    import torch
+    from vllm import envs
+
+    if weights == "full":
+        return "dense"
+    if envs.VLLM_CPU_INT4_W4A8 and dtype == "bfloat16" and torch.cpu._is_amx_tile_supported():
+        return "w4a8 (int4_scaled_mm_cpu)"
+    isa = "amx" if torch.cpu._is_amx_tile_supported() and dtype == "bfloat16" else "vec"
+    return f"w4a16 (cpu_gemm_wna16, {isa})"
+
+
 def run_arm(spec: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", spec, "--model", args.model]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
-    out, _ = run_child(cmd, os.environ | _bind_env("both"), spec)
+    env = os.environ | _bind_env("both") | WEIGHTS[spec.split(":")[0]]
+    out, _ = run_child(cmd, env, spec)
     print(f"done: {spec}", flush=True)
     return out
 
@@ -156,9 +179,9 @@ def table(results: dict[str, list[dict]], gbs: float) -> str:
         if k.startswith("full:"):
             full_bf16 = runs[0]["step_bytes"] * SIZE["bfloat16"] // SIZE[k.split(":")[1]]
     md = [
-        "| arm (weights:dtype) | init s | worker memory GiB | bytes/step GB | floor ms/token "
+        "| arm (weights:dtype) | kernel | init s | worker memory GiB | bytes/step GB | floor ms/token "
         "| decode ms/token (min-max) | / own floor | / bf16 floor | burst tok/s (min-max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, runs in results.items():
         ms = [x for r in runs for x in r["ms_per_token"]]
@@ -167,7 +190,7 @@ def table(results: dict[str, list[dict]], gbs: float) -> str:
         floor = b / gbs / 1e6
         bf16 = f"{med(ms) / (full_bf16 / gbs / 1e6):.2f}" if full_bf16 else "–"
         md.append(
-            f"| {k} | {med([r['init_s'] for r in runs]):.0f} "
+            f"| {k} | {runs[0].get('kernel', '?')} | {med([r['init_s'] for r in runs]):.0f} "
             f"| {max(r['rss_gib'] for r in runs):.1f} | {b / 1e9:.2f} | {floor:.0f} "
             f"| **{med(ms):.0f}** ({min(ms):.0f}-{max(ms):.0f}) | {med(ms) / floor:.2f} | {bf16} "
             f"| **{med(tps):.1f}** ({min(tps):.1f}-{max(tps):.1f}) |"

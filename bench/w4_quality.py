@@ -19,6 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from w4 import _cpu_kind, kernel  # noqa: E402
 
 
 def run_eval(model: Path, dtype: str, out: Path, args: argparse.Namespace) -> None:
@@ -68,6 +71,9 @@ def main() -> None:
     fb = {k: [b[k][i] for i in sorted(b[k])] for k in langs}
     non_en = [k for k in langs if k != "en"]
     result = {
+        "full_dtype": args.full_dtype,
+        "w4_kernel": kernel("w4", "bfloat16"),  # the eval child ran with this same environment
+        "cpu": _cpu_kind(),
         "items": sum(len(v) for v in wa.values()),
         "per_lang": {
             k: {"full": lang_mean({k: fb[k]}), "w4": lang_mean({k: wa[k]})} for k in langs
@@ -82,6 +88,9 @@ def main() -> None:
     }
     (args.out / "comparison.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [
+        f"`full` computed in {args.full_dtype}; 4-bit kernel: {result['w4_kernel']}; "
+        f"CPU: {result['cpu']}.",
+        "",
         "| language | full | 4-bit |",
         "|---|---|---|",
         *(
