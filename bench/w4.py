@@ -44,7 +44,7 @@ from overhead import _prompts  # noqa: E402
 DEFAULT_ARMS = "full:float32,full:bfloat16,w4:bfloat16"
 SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: weights -> extra environment of its child (vLLM reads VLLM_CPU_INT4_W4A8 at weight loading)
-WEIGHTS = {"full": {}, "w4": {}, "w4a16": {"VLLM_CPU_INT4_W4A8": "0"}}
+WEIGHTS = {"full": {}, "w4": {}, "w4a16": {"VLLM_CPU_INT4_W4A8": "0"}}  # engine.cpu.W4A8_ENV
 
 
 def bandwidth_gbs(gib: int = 1, repeats: int = 5) -> float:
@@ -149,16 +149,10 @@ def arm(spec: str, args: argparse.Namespace) -> dict:
 
 
 def kernel(weights: str, dtype: str) -> str:
-    """The 4-bit kernel vLLM picks for these weights (its CPUWNA16LinearKernel's own rule)."""
-    import torch
-    from vllm import envs
+    """The kernel these weights ran through (steerserve.engine.cpu.w4_kernel for 4-bit ones)."""
+    from steerserve.engine.cpu import w4_kernel
 
-    if weights == "full":
-        return "dense"
-    if envs.VLLM_CPU_INT4_W4A8 and dtype == "bfloat16" and torch.cpu._is_amx_tile_supported():
-        return "w4a8 (int4_scaled_mm_cpu)"
-    isa = "amx" if torch.cpu._is_amx_tile_supported() and dtype == "bfloat16" else "vec"
-    return f"w4a16 (cpu_gemm_wna16, {isa})"
+    return "dense" if weights == "full" else w4_kernel(dtype)
 
 
 def run_arm(spec: str, args: argparse.Namespace) -> dict:

@@ -12,11 +12,11 @@ from pathlib import Path
 #: ``dtype=auto`` (bfloat16 for a float32 checkpoint) is compute-bound: 1.9 vs 3.3 tokens/s.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-#: CPU flags where ``--quantization auto`` serves 4-bit weights: where it was measured faster.
-#: None yet (docs/benchmarks.md, "4-bit weights"): on an AVX-512 BF16 CPU without AMX (AMD EPYC
-#: Zen 4) vLLM's 4-bit kernel decodes at 166 ms/token vs 132 in bfloat16, a burst at 35 vs 72
-#: tokens/s: it reads a third of the bytes but is compute-bound. AMX (the kernel's "amx" path)
-#: is unmeasured, so not guessed.
+#: CPU flags where ``--quantization auto`` serves 4-bit weights: where it was measured faster,
+#: i.e. single-stream decode and a 16-way burst both no slower than bfloat16 (a server default must
+#: not trade throughput under load for one stream's latency). None yet (docs/benchmarks.md, "4-bit
+#: weights"): on AVX-512 BF16 without AMX (AMD EPYC Zen 4) 166 vs 132 ms/token, bursts 0.49x; on
+#: AMX (Xeon) the w4a8 kernel decodes 83 vs 151 ms/token but bursts at 0.79x (74 vs 93 tokens/s).
 W4_AUTO_FLAGS: tuple[str, ...] = ()
 
 
@@ -45,8 +45,24 @@ def serve_dtype(dtype: str, on_gpu: bool, flags: set[str] | None = None) -> str:
 #: ``--quantization`` choices: ``auto`` (4-bit where the CPU serves it faster), ``none`` (the
 #: full-precision checkpoint), ``w4`` (the 4-bit checkpoint, or an error).
 QUANTIZATIONS = ("auto", "none", "w4")
+#: vLLM's switch between its two 4-bit CPU kernels on AMX (w4_kernel), read at weight loading.
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"
 #: The dtypes vLLM's 4-bit CPU kernel computes in (AutoAWQConfig.get_supported_act_dtypes).
 W4_DTYPES = ("bfloat16", "float16")
+
+
+def w4_kernel(dtype: str, env: MutableMapping[str, str] | None = None) -> str:
+    """The 4-bit kernel vLLM 0.32's CPUWNA16LinearKernel picks (its own rule, restated so that
+    serve and bench/ can say which ran): on an AMX CPU in bfloat16 ``int4_scaled_mm_cpu``, which
+    also quantizes each token's activations to int8 (``w4a8``), unless ``VLLM_CPU_INT4_W4A8=0``;
+    else ``cpu_gemm_wna16`` (16-bit activations) on its ``amx`` or ``vec`` path."""
+    import torch
+
+    env = os.environ if env is None else env
+    amx = torch.cpu._is_amx_tile_supported() and dtype == "bfloat16"
+    if amx and env.get(W4A8_ENV, "1") not in ("0", ""):
+        return "w4a8 (int4_scaled_mm_cpu, int8 activations)"
+    return f"w4a16 (cpu_gemm_wna16, {'amx' if amx else 'vec'})"
 
 
 def serve_w4(choice: str, on_gpu: bool, flags: set[str] | None = None) -> bool:

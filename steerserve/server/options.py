@@ -235,7 +235,7 @@ def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (Engine
     import torch
 
     from steerserve.engine.api import EngineConfig
-    from steerserve.engine.cpu import W4_DTYPES, bind_all_cores, serve_dtype
+    from steerserve.engine.cpu import W4_DTYPES, bind_all_cores, serve_dtype, w4_kernel
 
     on_gpu = torch.cuda.is_available()
     enforce_eager = (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager
@@ -246,7 +246,8 @@ def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (Engine
         model_dir = w4
         if chosen not in W4_DTYPES:  # only auto gets here: an explicit float32 was refused
             chosen = "bfloat16"
-        logger.info("serving 4-bit weights: %s, computed in %s", w4, chosen)
+        kernel = "vLLM's GPU choice" if on_gpu else w4_kernel(chosen)
+        logger.info("serving 4-bit weights: %s, computed in %s, kernel %s", w4, chosen, kernel)
     ranks = opts.tensor_parallel_size * opts.pipeline_parallel_size
     if bound := bind_all_cores(os.environ, on_gpu, ranks):
         logger.info("VLLM_CPU_OMP_THREADS_BIND=%s (every core)", bound)
