@@ -21,9 +21,11 @@ from steerserve.engine.spec import SteeringEntry
 from steerserve.research.reference import greedy
 
 GROUP = 32
-# vLLM's 4-bit kernel on a CPU with AMX (its "amx" path, tiles of bfloat16 activations) moved a
-# log-probability of the tiny model by up to 0.164 from the dequantized reference (Xeon with
-# amx_bf16, 2026-12-05); its "vec" path (AVX-512, no AMX) stayed within 0.1.
+# On a CPU with AMX vLLM serves 4-bit weights through int4_scaled_mm_cpu, which also quantizes
+# activations to int8 (steerserve.engine.cpu.w4_kernel): it moved a log-probability of the tiny
+# model by up to 0.164 from the dequantized reference (Xeon with amx_bf16, 2026-12-05); the
+# 16-bit-activation kernel on AVX-512 without AMX stayed within 0.1. (Forcing the 16-bit kernel
+# on AMX, VLLM_CPU_INT4_W4A8=0, died of an illegal instruction on the tiny model, 2026-12-05.)
 W4_ATOL = 0.2
 W4_MARGIN = 0.1
 
