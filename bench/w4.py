@@ -41,10 +41,12 @@ sys.path.insert(0, str(BENCH))
 from chat_model import _bind_env, _rss_gib, run_child, write_docs  # noqa: E402
 from overhead import _prompts  # noqa: E402
 
+from steerserve.engine.cpu import W4A8_ENV  # noqa: E402
+
 DEFAULT_ARMS = "full:float32,full:bfloat16,w4:bfloat16"
 SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: weights -> extra environment of its child (vLLM reads VLLM_CPU_INT4_W4A8 at weight loading)
-WEIGHTS = {"full": {}, "w4": {}, "w4a16": {"VLLM_CPU_INT4_W4A8": "0"}}  # engine.cpu.W4A8_ENV
+#: weights -> extra environment of its child (vLLM reads W4A8_ENV at weight loading)
+WEIGHTS = {"full": {}, "w4": {}, "w4a16": {W4A8_ENV: "0"}}
 
 
 def bandwidth_gbs(gib: int = 1, repeats: int = 5) -> float:
@@ -152,7 +154,7 @@ def kernel(weights: str, dtype: str) -> str:
     """The kernel these weights ran through (steerserve.engine.cpu.w4_kernel for 4-bit ones)."""
     from steerserve.engine.cpu import w4_kernel
 
-    return "dense" if weights == "full" else w4_kernel(dtype)
+    return "dense" if weights == "full" else w4_kernel(dtype, os.environ | WEIGHTS[weights])
 
 
 def run_arm(spec: str, args: argparse.Namespace) -> dict:

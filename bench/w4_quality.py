@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from w4 import _cpu_kind, kernel  # noqa: E402
 
+W4_DTYPE = "bfloat16"  # what the 4-bit arm computes in (its kernel depends on it)
+
 
 def run_eval(model: Path, dtype: str, out: Path, args: argparse.Namespace) -> None:
     if (out / "replies.jsonl").is_file() and json.loads((out / "report.json").read_text()).get(
@@ -61,7 +63,7 @@ def main() -> None:
     if w4 is None:
         raise SystemExit(f"{full} has no 4-bit checkpoint")
     run_eval(full, args.full_dtype, args.out / "full", args)
-    run_eval(w4, "bfloat16", args.out / "w4", args)
+    run_eval(w4, W4_DTYPE, args.out / "w4", args)
 
     a, b = correct_by_lang(args.out / "w4"), correct_by_lang(args.out / "full")
     if {k: sorted(v) for k, v in a.items()} != {k: sorted(v) for k, v in b.items()}:
@@ -72,7 +74,7 @@ def main() -> None:
     non_en = [k for k in langs if k != "en"]
     result = {
         "full_dtype": args.full_dtype,
-        "w4_kernel": kernel("w4", "bfloat16"),  # the eval child ran with this same environment
+        "w4_kernel": kernel("w4", W4_DTYPE),  # the eval child ran with this same environment
         "cpu": _cpu_kind(),
         "items": sum(len(v) for v in wa.values()),
         "per_lang": {
