@@ -109,6 +109,12 @@ _INTEGRAL = (
     "prompt_logprobs",
 )
 
+#: ``top_k`` within a signed 64-bit integer, as vLLM bounds ``seed``: vLLM's own field has no
+#: bound and a value past 2**64 cannot cross to the engine core (msgspec), a 500 after admission.
+TOP_K = Field(
+    None, ge=-1, le=2**63 - 1, description="sample from the k likeliest tokens; 0 or -1: all"
+)
+
 #: What ``/v1/completions`` generates when ``max_tokens`` is absent or null (OpenAI's and vLLM's
 #: default; SDKs send unset fields as null, which must not mean "to the context limit").
 COMPLETION_MAX_TOKENS = 16
@@ -191,6 +197,7 @@ class ChatCompletionRequest(_VChat):
 
     model: str  # required here: the server checks it before anything else
     steering: Steering = Field(None, description=STEERING_DOC)
+    top_k: int | None = TOP_K
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +241,7 @@ class CompletionRequest(_VCompletion):
 
     model: str
     steering: Steering = Field(None, description=STEERING_DOC)
+    top_k: int | None = TOP_K
 
     @model_validator(mode="before")
     @classmethod
