@@ -588,9 +588,16 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
     ("no messages", {"messages": []}, 400, "messages", "messages"),
     ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ("temperature range", {"temperature": 3.5}, 400, "temperature", "temperature"),
-    # past 2**64 vLLM's unbounded top_k cannot cross to the engine core (once a 500)
-    ("top_k past 64 bits", {"top_k": 2**64}, 400, "less than or equal", "top_k"),
-    ("top_k below -1", {"top_k": -2}, 400, "greater than or equal to -1", "top_k"),
+    # past 64 bits an integer vLLM leaves unbounded cannot cross to the engine core (once a 500)
+    ("top_k past 64 bits", {"top_k": 2**64}, 400, "2**64 - 1", "top_k"),
+    ("stream_interval past 64 bits", {"stream_interval": 10**30}, 400, "2**64", "stream_interval"),
+    (
+        "an integer past 64 bits in a schema",
+        {"structured_outputs": {"json": {"type": "array", "items": [{"maximum": -(2**63) - 1}]}}},
+        400,
+        "-2**63",
+        "structured_outputs.json.items[0].maximum",
+    ),
     ("misspelt steering", {"steerng": True}, 400, "unrecognized", "steerng"),
     ("steering string", {"steering": "yes"}, 400, "steering", "steering"),
     ("steering number", {"steering": 1}, 400, "steering", "steering"),

@@ -109,11 +109,28 @@ _INTEGRAL = (
     "prompt_logprobs",
 )
 
-#: ``top_k`` within a signed 64-bit integer, as vLLM bounds ``seed``: vLLM's own field has no
-#: bound and a value past 2**64 cannot cross to the engine core (msgspec), a 500 after admission.
-TOP_K = Field(
-    None, ge=-1, le=2**63 - 1, description="sample from the k likeliest tokens; 0 or -1: all"
-)
+#: The integers msgspec, which carries a request to vLLM's engine core, can encode. vLLM bounds
+#: a few fields (``seed``, ``extra_args``) but not ``top_k``, ``stream_interval``,
+#: ``repetition_detection`` or an integer in a structured-output schema: past this range those
+#: fail after admission, a 500. One check over the whole body covers every field.
+INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _out_of_range(value: Any, path: str = "") -> str | None:
+    """The path (``a.b[0]``) of the first integer in a JSON value outside :data:`INT_RANGE`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if INT_RANGE[0] <= value <= INT_RANGE[1] else path
+    if isinstance(value, dict):
+        items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for sub, v in items:
+        if (found := _out_of_range(v, sub)) is not None:
+            return found
+    return None
+
 
 #: What ``/v1/completions`` generates when ``max_tokens`` is absent or null (OpenAI's and vLLM's
 #: default; SDKs send unset fields as null, which must not mean "to the context limit").
@@ -153,6 +170,12 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
             raise PydanticCustomError(  # OpenAI's range; vLLM would clamp it silently
                 "range", "must be between -100 and 100", {"field": f"logit_bias.{key}"}
             )
+    if (path := _out_of_range(data)) is not None:
+        raise PydanticCustomError(
+            "range",
+            "integers must be between -2**63 and 2**64 - 1 (what reaches the engine core)",
+            {"field": path},
+        )
     xargs = data.get("vllm_xargs")
     if isinstance(xargs, dict) and "steerserve" in xargs:
         raise PydanticCustomError(
@@ -197,7 +220,6 @@ class ChatCompletionRequest(_VChat):
 
     model: str  # required here: the server checks it before anything else
     steering: Steering = Field(None, description=STEERING_DOC)
-    top_k: int | None = TOP_K
 
     @model_validator(mode="before")
     @classmethod
@@ -241,7 +263,6 @@ class CompletionRequest(_VCompletion):
 
     model: str
     steering: Steering = Field(None, description=STEERING_DOC)
-    top_k: int | None = TOP_K
 
     @model_validator(mode="before")
     @classmethod
