@@ -129,7 +129,7 @@ class Bench:
         ids = list(eng.tokenizer.encode(prompt))
         last = None
         async for out in eng.llm.generate(
-            make_prompt(ids, prepared), with_steering(sp, prepared), uuid.uuid4().hex
+            make_prompt(ids), with_steering(sp, prepared), uuid.uuid4().hex
         ):
             last = out
         return len(last.outputs[0].token_ids)

@@ -51,7 +51,7 @@ def _admission_us(eng, n: int = 20000) -> float:
     t = time.perf_counter()
     for i in range(n):
         p = eng.admission.prepare(entries)
-        make_prompt(f"prompt {i}", p)
+        make_prompt(f"prompt {i}")
         with_steering(sp, p)
     return (time.perf_counter() - t) / n * 1e6
 

@@ -1,8 +1,12 @@
 """``steerserve ab-report LOG``: who won a server-side A/B experiment, read from its decision log.
 
 Per experiment, arm and detected language: requests, mean feedback score with a 95 % CI, the
-steered - unsteered difference with its CI (Welch, normal approximation), and latency p50/p95.
-It says plainly when there are too few scored replies to call a winner.
+steered - unsteered difference with its always-valid 95 % CI and p-value (an mSPRT, see
+:mod:`steerserve.ab_stats`), and latency p50/p95; per experiment a sample-ratio-mismatch check
+when the split is known. The winner is called on the always-valid test, because the report is
+read live (``/experiments`` refreshes every 2 s) and a fixed-horizon CI read at every refresh
+calls false winners far above 5 %; the fixed-horizon (Welch) numbers stay as a labelled second
+view. It says plainly when there are too few scored replies to call a winner.
 """
 
 from __future__ import annotations
@@ -17,12 +21,24 @@ from typing import IO, Any
 
 import numpy as np
 
+from steerserve import ab_stats
 from steerserve.engine.spec import finite_number
 from steerserve.server.experiment import STEERED, UNSTEERED, check_score
 
-#: Fewer scored replies than this in either arm: no winner is called.
+#: Fewer scored replies than this in either arm: no winner is called. A display floor only: the
+#: always-valid test needs no planned sample size, but its plug-in variance is rough on a handful
+#: of replies and a winner on five thumbs convinces nobody.
 MIN_SCORED = 30
 Z95 = 1.959964
+#: Level of the always-valid test the verdict uses: the chance of ever calling a false winner,
+#: however often the report is read.
+ALPHA = ab_stats.ALPHA
+#: What the fixed-horizon view is good for, said wherever it is shown.
+FIXED_HORIZON_NOTE = (
+    "Welch, normal approximation: valid only when read once, at a sample size planned in "
+    "advance; read again and again (the live page refreshes every 2 s) it calls false winners "
+    "far more often than 5 %"
+)
 
 
 @dataclass
@@ -35,6 +51,7 @@ class Row:
     language: str | None
     latency_ms: float | None
     score: float | None = None
+    subject_hash: str | None = None  # who the split assigned (the unit of the SRM check)
 
 
 def read_log(path: str | Path) -> list[Row]:
@@ -92,7 +109,12 @@ def _decision(rec: dict[str, Any]) -> Row | None:
     if latency is not None and (finite_number(latency) is None or latency < 0):
         return None
     ms = None if latency is None else float(latency)
-    return Row(rid, names[0], names[1], names[2], ms)
+    subject = rec.get("subject_hash")  # logs before it, or a wrong type: the SRM counts requests
+    return Row(rid, names[0], names[1], names[2], ms, subject_hash=_str_or_none(subject))
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _score(rec: dict[str, Any]) -> float | None:
@@ -120,13 +142,29 @@ def mean_ci(values: Sequence[float]) -> dict[str, Any]:
 
 
 def diff_ci(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """mean(a) - mean(b) with a Welch 95 % CI (None where either side has n < 2)."""
+    """mean(a) - mean(b) with a fixed-horizon Welch 95 % CI and two-sided p-value (None where
+    either side has n < 2): valid read once at a planned sample size, not under peeking."""
     if len(a) < 2 or len(b) < 2:
-        return {"diff": None, "ci95": None}
+        return {"diff": None, "ci95": None, "p_value": None}
     xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     d = float(xa.mean() - xb.mean())
     se = math.sqrt(xa.var(ddof=1) / len(xa) + xb.var(ddof=1) / len(xb))
-    return {"diff": d, "ci95": [d - Z95 * se, d + Z95 * se]}
+    p = math.erfc(abs(d) / se / math.sqrt(2)) if se > 0 else float(d == 0)
+    return {"diff": d, "ci95": [d - Z95 * se, d + Z95 * se], "p_value": p}
+
+
+def always_valid_ci(a: Sequence[float], b: Sequence[float], alpha: float = ALPHA) -> dict[str, Any]:
+    """mean(a) - mean(b) with its always-valid (1 - alpha) CI and p-value (the mSPRT of
+    :func:`steerserve.ab_stats.always_valid`; None where either side has n < 2): valid at every
+    look, so the verdict stands on it."""
+    av = ab_stats.always_valid(a, b, alpha)
+    return {
+        "diff": av["diff"],
+        "ci95": av["ci"],
+        "p_value": av["p_value"],
+        "method": f"always-valid (mSPRT, normal mixture, tau = {math.sqrt(ab_stats.TAU2):g})",
+        "alpha": alpha,
+    }
 
 
 def _arm_stats(rows: Iterable[Row]) -> dict[str, Any]:
@@ -143,29 +181,39 @@ def _arm_stats(rows: Iterable[Row]) -> dict[str, Any]:
     }
 
 
-def verdict(steered: Sequence[float], unsteered: Sequence[float], min_n: int = MIN_SCORED) -> str:
-    """One sentence: the winner, no difference, or too few samples to say."""
+def verdict(
+    steered: Sequence[float],
+    unsteered: Sequence[float],
+    min_n: int = MIN_SCORED,
+    alpha: float = ALPHA,
+) -> str:
+    """One sentence: the winner, no difference, or too few samples to say (the always-valid CI
+    of the difference and its p-value: a verdict that holds however often it is read)."""
     if min(len(steered), len(unsteered)) < min_n:
         return (
             f"too few scored replies to call a winner (need {min_n} per arm; steered "
             f"{len(steered)}, unsteered {len(unsteered)})"
         )
-    d = diff_ci(steered, unsteered)
+    d = always_valid_ci(steered, unsteered, alpha)
     lo, hi = d["ci95"]
+    why = f"[{lo:.3g}, {hi:.3g}] always-valid, p = {d['p_value']:.2g}"
     if lo > 0:
-        return f"steered wins: +{d['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
+        return f"steered wins: +{d['diff']:.3g} {why}"
     if hi < 0:
-        return f"unsteered wins: steered {d['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
-    return f"no significant difference: {d['diff']:+.3g} [{lo:.3g}, {hi:.3g}]"
+        return f"unsteered wins: steered {d['diff']:.3g} {why}"
+    return f"no significant difference: {d['diff']:+.3g} {why}"
 
 
 def winner(
-    steered: Sequence[float], unsteered: Sequence[float], min_n: int = MIN_SCORED
+    steered: Sequence[float],
+    unsteered: Sequence[float],
+    min_n: int = MIN_SCORED,
+    alpha: float = ALPHA,
 ) -> str | None:
     """The arm :func:`verdict` calls the winner, or None (too few replies, or no difference)."""
     if min(len(steered), len(unsteered)) < min_n:
         return None
-    lo, hi = diff_ci(steered, unsteered)["ci95"]
+    lo, hi = always_valid_ci(steered, unsteered, alpha)["ci95"]
     return STEERED if lo > 0 else UNSTEERED if hi < 0 else None
 
 
@@ -175,19 +223,60 @@ def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
     u = [r.score for r in by_arm[UNSTEERED] if r.score is not None]
     return {
         "arms": {arm: _arm_stats(rs) for arm, rs in by_arm.items()},
-        "difference": diff_ci(s, u),
+        "difference": always_valid_ci(s, u),
+        "fixed_horizon": {**diff_ci(s, u), "note": FIXED_HORIZON_NOTE},
         "verdict": verdict(s, u, min_n),
         "winner": winner(s, u, min_n),
     }
 
 
+def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
+    """The sample-ratio-mismatch check of one experiment's rows against ``split`` (the share of
+    subjects steered; None: not known, nothing tested). It counts distinct subjects per arm, the
+    unit the split assigns (a heavy user's requests all land in one arm, so request counts would
+    flag healthy splits); a log without subject hashes falls back to requests."""
+    requests = {arm: sum(r.arm == arm for r in rows) for arm in (STEERED, UNSTEERED)}
+    by_subject = all(r.subject_hash is not None for r in rows)
+    if by_subject:
+        seen = {arm: {r.subject_hash for r in rows if r.arm == arm} for arm in (STEERED, UNSTEERED)}
+        counts = {arm: len(x) for arm, x in seen.items()}
+        both = len(seen[STEERED] & seen[UNSTEERED])
+    else:
+        counts, both = dict(requests), None
+    out: dict[str, Any] = {
+        "unit": "subjects" if by_subject else "requests",
+        "counts": counts,
+        "requests": requests,
+        "subjects_in_both_arms": both,  # the sticky split moved someone: a changed split?
+        "split": split,
+        "observed_share": None,
+        "p_value": None,
+        "alpha": ab_stats.SRM_ALPHA,
+        "checked": False,
+        "flagged": False,
+    }
+    if split is None:
+        out["note"] = "not checked: the split is not in the log (the server's report knows it)"
+        return out
+    check = ab_stats.srm(counts[STEERED], counts[UNSTEERED], split, unit=out["unit"])
+    out.update({k: check[k] for k in ("observed_share", "p_value", "checked", "flagged")})
+    if not check["checked"]:
+        out["note"] = "not checked: too few to test"
+    return out
+
+
 def build_report(
-    rows: Sequence[Row], min_n: int = MIN_SCORED, ignored: Ignored | None = None
+    rows: Sequence[Row],
+    min_n: int = MIN_SCORED,
+    ignored: Ignored | None = None,
+    splits: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The report of every experiment in ``rows``, overall and per detected language
     (``ignored``: the log's lines it does not stand on, said in the report; ``skipped_lines``
-    is their total)."""
+    is their total; ``splits``: the share of subjects steered by experiment name, for the
+    sample-ratio check of those it names: the log does not record it)."""
     ignored = ignored or Ignored()
+    splits = splits or {}
     enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
     out: dict[str, Any] = {
         "requests": len(rows),
@@ -196,6 +285,7 @@ def build_report(
         "orphan_feedback_lines": ignored.orphan_feedback,
         "not_enrolled": len(rows) - len(enrolled),
         "min_scored_per_arm": min_n,
+        "alpha": ALPHA,
         "experiments": {},
     }
     for name in sorted({r.experiment for r in enrolled}):  # type: ignore[type-var]
@@ -207,6 +297,7 @@ def build_report(
                 lang: _compare([r for r in mine if (r.language or "unknown") == lang], min_n)
                 for lang in langs
             },
+            "srm": sample_ratio(mine, splits.get(name)),
         }
     return out
 
@@ -239,28 +330,80 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         "",
         f"{rep['requests']} logged requests, {rep['not_enrolled']} not enrolled (no subject, "
         f"explicit steering, or no experiment). A winner needs {rep['min_scored_per_arm']} "
-        "scored replies per arm and a 95 % CI of the difference that excludes 0.",
+        "scored replies per arm and an always-valid 95 % CI of the difference (mSPRT) that "
+        "excludes 0: it stays valid however often the report is read, so it may be watched "
+        "live and the experiment stopped at any time.",
     ]
     if note := ignored_note(rep):
         lines += ["", f"{note}."]
     if not rep["experiments"]:
         lines += ["", "No enrolled requests in this log."]
     for name, exp in rep["experiments"].items():
+        o = exp["overall"]
+        lines += ["", f"## Experiment `{name}`", ""]
+        if warning := srm_warning(exp.get("srm")):
+            lines += [f"**{warning}**", ""]
         lines += [
+            f"**Verdict: {o['verdict']}.**",
             "",
-            f"## Experiment `{name}`",
-            "",
-            f"**Verdict: {exp['overall']['verdict']}.**",
+            f"- Steered − unsteered, always-valid: {_diff_line(o['difference'])} "
+            "(what the verdict stands on).",
+            f"- Fixed-horizon view: {_diff_line(o['fixed_horizon'])}. "
+            f"{o['fixed_horizon']['note']}.",
+        ]
+        if "srm" in exp:
+            lines.append(f"- Sample ratio: {srm_line(exp['srm'])}.")
+        lines += [
             "",
             "| language | arm | requests | scored | mean score [95 % CI] | p50 ms | p95 ms |",
             "|---|---|---|---|---|---|---|",
-            *_table("all", exp["overall"]),
+            *_table("all", o),
         ]
         for lang, cmp in exp["per_language"].items():
             lines += _table(lang, cmp)
-        lines += ["", "Per language:"]
+        lines += [
+            "",
+            "Arm rows: the mean with a fixed-horizon 95 % CI (a description of the arm); "
+            "difference rows: the always-valid 95 % CI.",
+            "",
+            "Per language:",
+        ]
         lines += [f"- {lang}: {cmp['verdict']}" for lang, cmp in exp["per_language"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _diff_line(d: Mapping[str, Any]) -> str:
+    if d["diff"] is None:
+        return "– (fewer than 2 scored replies in an arm)"
+    return f"{d['diff']:+.3g} {_ci(d['ci95'])}, p = {d['p_value']:.2g}"
+
+
+def srm_line(srm: Mapping[str, Any]) -> str:
+    """The sample-ratio check in words."""
+    c = srm["counts"]
+    line = f"{c[STEERED]} steered / {c[UNSTEERED]} unsteered {srm['unit']}"
+    if srm.get("subjects_in_both_arms"):
+        line += f" ({srm['subjects_in_both_arms']} in both arms)"
+    if srm["split"] is not None:
+        line += f", split {srm['split']:.3g} steered"
+    if srm["p_value"] is not None and srm["checked"]:
+        line += f": chi-square p = {srm['p_value']:.2g}"
+        line += " (mismatch)" if srm["flagged"] else " (no mismatch)"
+    elif note := srm.get("note"):
+        line += f": {note}"
+    return line
+
+
+def srm_warning(srm: Mapping[str, Any] | None) -> str | None:
+    """A loud line when the arms did not get the share of subjects the split assigns, else None:
+    then no number below can be trusted, a winner least of all."""
+    if not srm or not srm["flagged"]:
+        return None
+    return (
+        f"WARNING: SAMPLE RATIO MISMATCH (p < {srm['alpha']:g}): {srm_line(srm)}. The arms did "
+        "not get the share the split assigns (requests failing or not logged in one arm, a "
+        "changed split, bots): find the cause before trusting any result below"
+    )
 
 
 def ignored_note(rep: Mapping[str, Any]) -> str | None:
@@ -275,11 +418,14 @@ def ignored_note(rep: Mapping[str, Any]) -> str | None:
     return f"{rep['skipped_lines']} line(s) of the log skipped: {', '.join(why)}"
 
 
-def report(path: str | Path, min_n: int = MIN_SCORED) -> dict[str, Any]:
+def report(
+    path: str | Path, min_n: int = MIN_SCORED, splits: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """The report of the decision log at ``path``: what ``steerserve ab-report`` prints and the
-    server's ``/experiments`` page shows (one code path for both)."""
+    server's ``/experiments`` page shows (one code path for both; the server passes its
+    experiment's split in ``splits`` for the sample-ratio check)."""
     rows, ignored = scan_log(path)
-    return build_report(rows, min_n=min_n, ignored=ignored)
+    return build_report(rows, min_n=min_n, ignored=ignored, splits=splits)
 
 
 #: The formats :func:`render` writes, and their media types.

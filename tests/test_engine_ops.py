@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from steerserve.engine import ops, spec
+from steerserve.engine import ops, prefix, spec
 from steerserve.engine.buffers import SteeringState
 from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
 from steerserve.engine.registry import VectorRegistry
@@ -260,7 +260,7 @@ def test_plan_ops_takes_slots_in_entry_order():
     assert [r.terms for r in spec.plan_rows(e)] == [(("b", 2.0, "add"),)]  # only add is a delta
 
 
-def test_wire_form_and_cache_salt():
+def test_wire_form_and_prefix_key():
     add = SteeringEntry("a", 1, 0.5, "generated")
     abl = dataclasses.replace(add, op="ablate")
     assert spec.encode([add]) == '[["a",1,0.5,"generated"]]'  # as before ops existed
@@ -270,10 +270,10 @@ def test_wire_form_and_cache_salt():
     assert spec.decode([dataclasses.asdict(e) for e in both]) == both
     digests = {"a": "x", "b": "y"}
     legacy = hashlib.sha256(b"a|x|1|0.5|generated;").hexdigest()[:32]
-    assert spec.cache_salt([add], digests) == f"steer-{legacy}:0"  # add keeps its salt
-    salt = spec.cache_salt([abl], digests)
-    assert salt != spec.cache_salt([add], digests) and salt.endswith(":0")  # still shares
-    assert spec.cache_salt([dataclasses.replace(abl, op="replace")], digests) != salt
+    assert prefix.key([add], digests) == f"{legacy}:gen"  # add keeps its key
+    key = prefix.key([abl], digests)
+    assert key != prefix.key([add], digests) and key.endswith(":gen")  # still shares
+    assert prefix.key([dataclasses.replace(abl, op="replace")], digests) != key
 
 
 def test_references_broadcast_per_item_vectors():

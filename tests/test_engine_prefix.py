@@ -1,5 +1,6 @@
-"""Steered requests share the prompt's prefix cache up to the first steered token, and nothing
-steered is ever read by a request that is not steered the same way (``engine/prefix.py``).
+"""Steered requests share the prompt's prefix cache up to the first steered token, nothing
+steered is ever read by a request that is not steered the same way, and nothing is read across
+client salts (``engine/prefix.py``).
 
 A real engine on the tiny Llama with prefix caching on and 32-token blocks (the CPU backend's
 smallest); a 300-token prompt has 9 full blocks (288 tokens) before the block that holds its
@@ -128,24 +129,111 @@ def test_d_positions_all_shares_nothing(eng: Any, hf: Any) -> None:
     assert toks[:CHECKED] == oracle(hf, ids, lp(positions="all"))
 
 
-def test_salt_names_the_first_steered_token() -> None:
+def salted(ids: list[int], salt: str | None) -> dict | list[int]:
+    return ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+
+
+def test_e_a_client_salt_isolates_steered_requests_too(eng: Any) -> None:
+    """Every row of the probe's table: blocks are shared only within one client salt."""
+    ids = prompt(7)
+    rows = [  # (first, its salt, its steering), (second, ...), cached tokens the second reads
+        (("alice", lp()), ("bob", lp()), 0),
+        (("alice", lp()), (None, None), 0),
+        (("alice", lp(positions="all")), ("bob", lp(positions="all")), 0),
+        (("alice", lp(positions="generated")), ("bob", lp(positions="generated")), 0),
+        (("alice", None), ("bob", None), 0),
+        ((None, None), ("alice", lp()), 0),
+        (("alice", None), ("alice", lp()), SHARED),  # one tenant still shares its prefix
+        (("alice", lp()), ("alice", None), SHARED),
+        (("alice", lp()), ("alice", lp()), SHARED),
+    ]
+    for (s1, st1), (s2, st2), want in rows:
+        eng.llm.reset_prefix_cache()
+        gen(eng, salted(ids, s1), st1)
+        _, cached = gen(eng, salted(ids, s2), st2)
+        assert cached == want, ((s1, st1), (s2, st2))
+
+
+#: Salts a client may send (vLLM's validator allows them): ours in form once, hostile, long.
+HOSTILE_SALTS = [
+    "steer-x:boom",
+    "steer-abc:-1",
+    "steer-abc:-999999999999999999999",
+    "steer-:",
+    "steer-0123456789abcdef0123456789abcdef:last",
+    "0123456789abcdef0123456789abcdef:gen",
+    ":",
+    "unshared:x",
+    "s" * 128,
+    "日本語:-1",
+]
+
+
+def test_f_no_client_salt_reaches_our_parser(eng: Any) -> None:
+    """The probe's engine killer and a seeded fuzz of salts: each request fills a block (where
+    the scheduler hashes), the engine answers every one, and a salt never reads unsalted KV."""
+    import random
+
+    rng = random.Random(0)
+    alphabet = "steer-:0123456789abcdef-+ .@/\\x\u00e9"
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(20)]
+    ids = prompt(8)
+    for salt in HOSTILE_SALTS + fuzz:
+        eng.llm.reset_prefix_cache()
+        gen(eng, ids, None)
+        toks, cached = gen(eng, salted(ids, salt), None)
+        assert cached == 0, salt
+        assert len(toks) == TOKENS, salt
+    _, cached = gen(eng, ids, None)  # alive, and its unsalted blocks still shared
+    assert cached >= SHARED
+
+
+def test_the_key_names_the_first_steered_token_and_is_parsed_only_in_its_form() -> None:
     e = [SteeringEntry("a", 1, 2.0, "generated")]
-    assert spec.first_steered(e) == 0
-    assert spec.cache_salt(e, {}).endswith(":0")
+    assert spec.first_steered(e) == 0 and prefix.key(e, {}).endswith(":gen")
     e.append(SteeringEntry("b", 2, 1.0, "last_prompt_and_generated"))
-    assert spec.first_steered(e) == -1 and spec.cache_salt(e, {}).endswith(":-1")
+    assert spec.first_steered(e) == -1 and prefix.key(e, {}).endswith(":last")
     e.append(SteeringEntry("c", 3, 1.0, "all"))
-    assert spec.first_steered(e) is None and ":" not in spec.cache_salt(e, {})
-    assert prefix.salted_from(spec.cache_salt(e[:2], {}), 300) == 299
-    assert prefix.salted_from("someone-else:-1", 300) == 0  # a foreign salt: vLLM's rule
+    assert spec.first_steered(e) is None and prefix.key(e, {}).endswith(":all")
+    k = prefix.key(e[:2], {})
+    assert prefix.parse(k) == (k[:32], -1)
+    well_formed = [s for s in HOSTILE_SALTS if prefix.parse(s)]  # harmless: salts are not keys
+    assert well_formed == ["0123456789abcdef0123456789abcdef:gen"]
+    for bad in [None, 3, b"x", k + " ", k.upper(), k[:-5] + ":-1", "steer-" + k]:
+        assert prefix.parse(bad) is None, bad
+
+
+def fake_request(extra: Any, n: int = 300) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        sampling_params=SimpleNamespace(extra_args=extra),
+        num_prompt_tokens=n,
+        request_id="r1",
+        cache_salt=None,
+    )
+
+
+def test_the_scheduler_side_never_raises_and_shares_nothing_it_cannot_read() -> None:
+    k = prefix.key([SteeringEntry("a", 1, 2.0, "last_prompt_and_generated")], {})
+    assert prefix.steering_key(fake_request({prefix.KEY: k, spec.EXTRA_ARGS_KEY: "[]"})) == (
+        k[:32],
+        299,
+    )
+    assert prefix.steering_key(fake_request(None)) is None  # unsteered: vLLM's own rule
+    assert prefix.steering_key(fake_request({"other": 1})) is None
+    for bad in ["steer-x:boom", 7, None, "x" * 10_000]:  # steered, key unreadable: own key at 0
+        got = prefix.steering_key(fake_request({spec.EXTRA_ARGS_KEY: "[]", prefix.KEY: bad}))
+        assert got == ("unshared:r1", 0), bad
+    assert prefix.steering_key(object()) is None  # a shape we do not know
 
 
 def test_a_vllm_that_hashes_otherwise_is_refused() -> None:
-    def salt_everywhere(request: Any, start: int, end: int, mm: int) -> Any:
-        return (("cache_salt", request.cache_salt),), mm
+    def no_salt(request: Any, start: int, end: int, mm: int) -> Any:
+        return None, mm
 
     with pytest.raises(RuntimeError, match="block hashing differs"):
-        prefix._probe(salt_everywhere)
+        prefix._probe(no_salt)
     with pytest.raises(RuntimeError, match="block hashing changed"):
         prefix._probe(lambda request, start, end: (None, 0))
     from vllm.v1.core import kv_cache_utils

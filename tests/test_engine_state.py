@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from steerserve.engine import spec
+from steerserve.engine import prefix, spec
 from steerserve.engine.buffers import SteeringState
 
 H = 8
@@ -46,13 +46,13 @@ def test_plan_rows_groups_phases_and_stacks_entries():
     assert rows[1].terms == (("a", 2.0, "add"), ("b", 1.0, "add"))
 
 
-def test_encode_decode_round_trip_and_salt():
+def test_encode_decode_round_trip_and_prefix_key():
     e = (spec.SteeringEntry("a", 1, 0.5, "all"), spec.SteeringEntry("b", 2, -1.0, "generated"))
     assert spec.decode(spec.encode(e)) == e
-    s1 = spec.cache_salt(e, {"a": "x", "b": "y"})
-    assert s1.startswith("steer-") and len(s1) <= 128
-    assert s1 != spec.cache_salt(e, {"a": "x2", "b": "y"})  # same names, other data
-    assert s1 != spec.cache_salt(e[:1], {"a": "x", "b": "y"})
+    k1 = prefix.key(e, {"a": "x", "b": "y"})
+    assert prefix.parse(k1) == (k1[:32], None)
+    assert k1 != prefix.key(e, {"a": "x2", "b": "y"})  # same names, other data
+    assert k1 != prefix.key(e[:1], {"a": "x", "b": "y"})
 
 
 def test_rows_per_request_budget_is_enforced_at_admission():

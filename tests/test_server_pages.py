@@ -237,7 +237,8 @@ def test_experiments_page_is_live_and_ab_report(
     with page.expect_download() as dl:
         page.click("button[data-format='md']")
     md = Path(dl.value.path()).read_text()
-    assert md == ab_report.report_markdown(ab_report.report(root / "ab.jsonl"))
+    rep_md = ab_report.report(root / "ab.jsonl", splits={NAME: 0.5})  # the server's split
+    assert md == ab_report.report_markdown(rep_md) and "Sample ratio: " in md
     with page.expect_download() as dl:
         page.click("button[data-format='png']")
     assert Path(dl.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

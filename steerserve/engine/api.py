@@ -1,6 +1,6 @@
 """Python API: build a vLLM engine with the steering plugin, register vectors, run requests.
 
-``Admission`` is the front-end half (validation, wire encoding, prefix-cache salt) shared by the
+``Admission`` is the front-end half (validation, wire encoding, prefix-cache key) shared by the
 offline :class:`SteerEngine` here and the server's async engine.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from steerserve import __version__
-from steerserve.engine import spec
+from steerserve.engine import plugin, prefix, spec
 from steerserve.engine.archs import SUPPORTED, steered_name
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
@@ -126,14 +126,13 @@ class Prepared:
 
     entries: tuple[spec.SteeringEntry, ...]
     extra_args: dict[str, str]
-    cache_salt: str | None
 
     @property
     def steered(self) -> bool:
         return bool(self.entries)
 
 
-UNSTEERED = Prepared((), {}, None)
+UNSTEERED = Prepared((), {})
 
 
 class Admission:
@@ -147,7 +146,7 @@ class Admission:
 
     def prepare(self, steering: Iterable[Any] | None, *, field: str = "steering") -> Prepared:
         """Validate entries (:class:`spec.SteeringError` naming the field under ``field``) and
-        encode them for vLLM, with the prefix-cache salt that shares the blocks before the first
+        encode them for vLLM, with the prefix-cache key that shares the blocks before the first
         steered token (``engine/prefix.py``)."""
         if steering is None:
             return UNSTEERED
@@ -166,8 +165,11 @@ class Admission:
         )
         if not entries:
             return UNSTEERED
-        salt = spec.cache_salt(entries, self.registry.digests())
-        return Prepared(entries, {spec.EXTRA_ARGS_KEY: spec.encode(entries)}, salt)
+        extra = {
+            spec.EXTRA_ARGS_KEY: spec.encode(entries),
+            prefix.KEY: prefix.key(entries, self.registry.digests()),
+        }
+        return Prepared(entries, extra)
 
 
 def with_steering(sampling_params: Any, prepared: Prepared) -> Any:
@@ -179,15 +181,12 @@ def with_steering(sampling_params: Any, prepared: Prepared) -> Any:
     return sp
 
 
-def make_prompt(prompt: str | Sequence[int] | dict, prepared: Prepared) -> dict:
-    p = (
-        dict(prompt)
-        if isinstance(prompt, dict)
-        else ({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-    )
-    if prepared.cache_salt:
-        p["cache_salt"] = prepared.cache_salt
-    return p
+def make_prompt(prompt: str | Sequence[int] | dict) -> dict:
+    """vLLM's prompt dict for text, token ids or a dict (copied: a client's ``cache_salt`` in it
+    stays the client's; steering keys the cache through ``extra_args``)."""
+    if isinstance(prompt, dict):
+        return dict(prompt)
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
 
 
 def vector_payload(rv: RegisteredVector) -> tuple[str, bytes, str]:
@@ -214,6 +213,7 @@ class SteerEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         from vllm import LLM
 
+        plugin.activate()
         self.cfg = cfg
         self.shape = ModelShape.read(cfg.model)
         self.admission = Admission(cfg, self.shape)
@@ -254,7 +254,7 @@ class SteerEngine:
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         prepared = [self.admission.prepare(s) for s in steering]
         return self.llm.generate(
-            [make_prompt(p, pr) for p, pr in zip(prompts, prepared, strict=True)],
+            [make_prompt(p) for p in prompts],
             [with_steering(sp, pr) for sp, pr in zip(sps, prepared, strict=True)],
             use_tqdm=use_tqdm,
         )

@@ -1,44 +1,93 @@
-"""The prefix-cache seam: a steered request shares the cached blocks before its first steered token.
+"""The prefix-cache seam: the one home of a steered request's cache key, built and parsed only here.
 
-vLLM chains its block hashes and mixes a request's ``cache_salt`` into block 0's hash only, so a
-salted (steered) request could share no block with anything else. But steering whose
-``positions`` start at the last prompt token or later leaves every earlier token's KV exactly
-unsteered (attention is causal). So a steered salt says where its steering starts
-(:func:`steerserve.engine.spec.cache_salt`: ``:-1`` the last prompt token, ``:0`` the first
-generated one, nothing for token 0; not ``@``, which vLLM's request models refuse in a salt),
-and this seam moves the salt into the hash of the block that holds that token: blocks wholly
-before it hash exactly as unsteered blocks do, and the chain keys that block and every later
-one by the steering (entries and vector digests). Nothing steered is ever cached under an
-unsteered hash, so later requests that extend a steered one's prompt or output share only its
-unsteered blocks.
+vLLM chains its block hashes and mixes a request's ``cache_salt`` (the *client's*, untouched:
+tenant isolation stays vLLM's own rule) into block 0's hash. Steering whose ``positions`` start at
+the last prompt token or later leaves every earlier token's KV exactly unsteered (attention is
+causal), so those blocks may be shared with unsteered requests of the same client salt. A steered
+request therefore carries a second key, :func:`key`, in ``SamplingParams.extra_args``
+(:data:`KEY`; the server refuses it from clients): a digest of its entries and vector contents
+and where its steering starts. This seam adds that digest to the hash of the block holding the
+first steered token, so blocks wholly before it hash exactly as the same client's unsteered blocks
+do, and the chain keys that block and every later one by the steering too.
 
-The seam is one function, patched where vLLM's scheduler process calls it; :func:`install`
-first probes the installed vLLM's function for the behaviour this relies on and refuses loudly
-when it differs.
+What is shared, then: a block is read only by requests with the same client salt (or both none),
+and a block at or after the first steered token only by requests steered identically. The key is
+never read from ``cache_salt``, so no client string is parsed as ours; a malformed key or a
+steered request without one (never built by steerserve) shares nothing rather than raise inside
+the scheduler loop.
+
+The seam is one function, patched where vLLM's scheduler calls it, and only in engines steerserve
+starts (:func:`install`, called by ``plugin.activate``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import re
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from steerserve.engine.spec import SALT_PREFIX
+from steerserve.engine.spec import DEFAULT_OP, EXTRA_ARGS_KEY, SteeringEntry, first_steered
 
 logger = logging.getLogger("steerserve.engine")
 
+#: Key of a steered request's prefix key in ``SamplingParams.extra_args``.
+KEY = "steerserve_prefix"
 
-def salted_from(salt: str | None, num_prompt_tokens: int) -> int:
-    """The index of the first token whose block a salt keys: 0 (the whole request, as vLLM does)
-    unless the salt is steerserve's and names a later start."""
-    if not salt or not salt.startswith(SALT_PREFIX) or ":" not in salt:
-        return 0
-    return max(num_prompt_tokens + int(salt.rsplit(":", 1)[1]), 0)
+#: Where steering starts, by name (the form carries no number a parser must trust): token 0, the
+#: last prompt token, the first generated token (``spec.first_steered``'s None, -1, 0).
+_STARTS: dict[str, int | None] = {"all": None, "last": -1, "gen": 0}
+_NAMES = {v: k for k, v in _STARTS.items()}
+_FORM = re.compile(r"([0-9a-f]{32}):(all|last|gen)")
+
+
+def key(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> str:
+    """A steered request's prefix key: ``<digest>:<start>``.
+
+    ``digests`` maps vector names to a content hash, so a different vector under the same name
+    never reuses cached KV; an op other than ``add`` is hashed by name, so it never shares KV
+    with ``add``.
+    """
+    h = hashlib.sha256()
+    for e in entries:
+        op = "" if e.op == DEFAULT_OP else f"|{e.op}"
+        h.update(
+            f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions}{op};".encode()
+        )
+    return f"{h.hexdigest()[:32]}:{_NAMES[first_steered(entries)]}"
+
+
+def parse(value: Any) -> tuple[str, int | None] | None:
+    """``(digest, start)`` from :func:`key`'s form, or None for anything else (never raises)."""
+    m = _FORM.fullmatch(value) if isinstance(value, str) else None
+    return None if m is None else (m[1], _STARTS[m[2]])
+
+
+def steering_key(request: Any) -> tuple[str, int] | None:
+    """The digest and first steered token of a scheduler request, or None when it is unsteered.
+
+    A request that carries steering but no well-formed key gets a key of its own at token 0: it
+    shares nothing, and the scheduler loop never sees an exception from here.
+    """
+    try:
+        extra = request.sampling_params.extra_args
+        if not isinstance(extra, dict) or (KEY not in extra and EXTRA_ARGS_KEY not in extra):
+            return None
+        parsed = parse(extra.get(KEY))
+        if parsed is None:
+            return f"unshared:{request.request_id}", 0
+        digest, start = parsed
+        return digest, 0 if start is None else max(request.num_prompt_tokens + start, 0)
+    except Exception:  # a request shape we do not know (pooling): vLLM's rule, nothing added
+        return None
 
 
 def _probe(fn: Any) -> None:
-    """Refuse a vLLM whose extra hash keys are not 0.32's: the salt alone, in block 0 only."""
+    """Refuse a vLLM whose extra-keys function is not 0.32's: ``(keys | None, next_mm_idx)`` from
+    ``(request, start, end, start_mm_idx)``, with the client's salt in block 0."""
     req = SimpleNamespace(
         mm_features=[],
         lora_request=None,
@@ -49,19 +98,18 @@ def _probe(fn: Any) -> None:
     )
     try:
         first, _ = fn(req, 0, 16, 0)
-        later, _ = fn(req, 16, 32, 0)
     except Exception as e:  # a changed signature or request shape
         raise RuntimeError(f"steerserve: vLLM's block hashing changed ({e!r})") from e
-    if first != (("cache_salt", "probe"),) or later is not None:
+    if not isinstance(first, tuple) or ("cache_salt", "probe") not in first:
         raise RuntimeError(
             "steerserve: vLLM's block hashing differs from the one the prefix-sharing seam "
-            f"knows (salt keys {first!r} / {later!r}); refusing to run with it"
+            f"knows (block 0 keys {first!r}); refusing to run with it"
         )
 
 
 def install() -> None:
     """Patch ``generate_block_hash_extra_keys`` where vLLM's block hasher and block pool look it
-    up (idempotent; every vLLM process loads the plugin, the scheduler's is the one that hashes)."""
+    up (idempotent; the scheduler, in the engine core, is the process that hashes)."""
     import vllm.v1.core.block_pool as block_pool
     import vllm.v1.core.kv_cache_utils as kv_cache_utils
 
@@ -73,15 +121,10 @@ def install() -> None:
     @functools.wraps(orig)
     def extra_keys(request: Any, start: int, end: int, start_mm_idx: int) -> Any:
         keys, next_mm = orig(request, start, end, start_mm_idx)
-        salt = request.cache_salt
-        first = salted_from(salt, request.num_prompt_tokens)
-        if not first:
-            return keys, next_mm
-        key = ("cache_salt", salt)
-        rest = tuple(k for k in keys or () if k != key)
-        if start <= first < end:
-            rest += (key,)
-        return rest or None, next_mm
+        steer = steering_key(request)
+        if steer is not None and start <= steer[1] < end:
+            keys = (*(keys or ()), ("steerserve", steer[0]))
+        return keys, next_mm
 
     extra_keys._steerserve_seam = True  # type: ignore[attr-defined]
     kv_cache_utils.generate_block_hash_extra_keys = extra_keys

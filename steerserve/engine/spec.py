@@ -1,6 +1,6 @@
-"""A request's steering: entries, admission validation, wire encoding and cache salt.
+"""A request's steering: entries, admission validation and wire encoding.
 
-Shared by the front end (validation, encoding, salting) and the worker (decoding, row planning),
+Shared by the front end (validation, encoding) and the worker (decoding, row planning),
 so both sides agree on what an entry means.
 
 An entry applies its operation (``op``, a row of ``engine/ops.py``: ``add``, ``ablate``,
@@ -9,12 +9,12 @@ on the tokens ``positions`` selects (:data:`POSITIONS`). What an operation means
 and whether it folds into the additive delta pool are the registry's; this module checks entries
 against it, plans the worker's rows (:func:`plan_rows` for the additive delta, :func:`plan_ops`
 for the other kernel) and encodes. Adding an operation is a row in ``engine/ops.py``: nothing
-here changes (an ``op`` other than ``add`` is encoded and salted by name already).
+here changes (an ``op`` other than ``add`` is encoded, and keyed in the prefix cache
+(``engine/prefix.py``), by name already).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,8 +23,16 @@ from typing import Any
 
 from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
 
-#: Key of the steering spec in ``SamplingParams.extra_args``.
+#: Key of the steering spec in ``SamplingParams.extra_args``; every key of ours there starts
+#: with it (the prefix-cache key too), and no client may send one (:func:`reserved_key`).
 EXTRA_ARGS_KEY = "steerserve"
+
+
+def reserved_key(key: Any) -> bool:
+    """Whether an ``extra_args`` key is steerserve's own: refused from clients, set only by
+    admission."""
+    return isinstance(key, str) and key.startswith(EXTRA_ARGS_KEY)
+
 
 #: Token phases: 0 = prompt token before the last, 1 = last prompt token, 2 = generated token
 #: (a token whose *input* is a generated token, i.e. position >= prompt length).
@@ -342,26 +350,3 @@ def decode(value: Any) -> tuple[SteeringEntry, ...]:
             v, layer, s, p, *op = item
             out.append(SteeringEntry(str(v), int(layer), float(s), str(p), *map(str, op)))
     return tuple(out)
-
-
-#: How a steered request's ``cache_salt`` begins (``engine/prefix.py`` reads the rest).
-SALT_PREFIX = "steer-"
-
-
-def cache_salt(entries: Sequence[SteeringEntry], digests: Mapping[str, str]) -> str:
-    """Prefix-cache salt: steered KV is never shared with unsteered requests or other configs
-    from the first steered token on (``:`` and :func:`first_steered`, when it is not token 0);
-    the blocks before it are shared (``engine/prefix.py``).
-
-    ``digests`` maps vector names to a content hash, so a different vector under the same name
-    can never reuse cached KV; an op other than ``add`` is hashed by name, so it never shares
-    KV with ``add`` (an ``add`` entry hashes as it did before ops existed).
-    """
-    h = hashlib.sha256()
-    for e in entries:
-        op = "" if e.op == DEFAULT_OP else f"|{e.op}"
-        h.update(
-            f"{e.vector}|{digests.get(e.vector, '')}|{e.layer}|{e.scale!r}|{e.positions}{op};".encode()
-        )
-    start = first_steered(entries)
-    return SALT_PREFIX + h.hexdigest()[:32] + ("" if start is None else f":{start}")

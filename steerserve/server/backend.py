@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from steerserve.engine import plugin
 from steerserve.engine.api import (
     Admission,
     EngineConfig,
@@ -70,6 +71,7 @@ class Backend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        plugin.activate()  # the seams, in this process and the engine's
         kw = engine_kwargs(self.cfg, self.shape)
         # EngineCore drains (instead of aborting) on a SIGINT/SIGTERM sent to the process group,
         # a little longer than the front end, which answers what it drops at its deadline.
@@ -145,7 +147,7 @@ class Backend:
             params = copy.copy(params)
             params.logprobs = 1
         gen = self.llm.generate(
-            make_prompt(prompt, prepared), with_steering(params, prepared), request_id, **kw
+            make_prompt(prompt), with_steering(params, prepared), request_id, **kw
         )
         gen = _answered(gen)
         if prepared.steered:

@@ -17,7 +17,6 @@ been read against (``docs/vllm-seams.md`` records the 0.33 equivalents).
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from steerserve.engine.api import Prepared
-from steerserve.engine.spec import EXTRA_ARGS_KEY, SALT_PREFIX
+from steerserve.engine.spec import reserved_key
 from steerserve.server.errors import ApiError
 
 if TYPE_CHECKING:
@@ -131,7 +130,7 @@ def planned(plan: Plan) -> contextvars.Token[Plan | None]:
 
 class SteeringEngine:
     """The server's ``AsyncLLM`` as vLLM's serving classes see it: every attribute forwarded, and
-    ``generate()`` applying the current plan's steering (entries and cache salt) through the
+    ``generate()`` applying the current plan's steering (entries and prefix-cache key) through the
     backend, which also checks a steered request's distributions (``backend._checked``)."""
 
     def __init__(self, backend: Backend) -> None:
@@ -147,33 +146,18 @@ class SteeringEngine:
         if plan is None:  # a route that did not plan its request: never unvetted to the worker
             raise RuntimeError("steerserve: an engine call outside a planned request")
         i, prepared = plan.take()
-        extra = dict(getattr(sampling_params, "extra_args", None) or {})
-        if EXTRA_ARGS_KEY in extra:  # refused at parse; never trusted if it came through
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        ours = next((k for k in extra if reserved_key(k)), None)
+        if ours is not None:  # refused at parse; never trusted if it came through
             raise ApiError(
-                f"vllm_xargs.{EXTRA_ARGS_KEY}: steering goes in the 'steering' field",
-                param=f"vllm_xargs.{EXTRA_ARGS_KEY}",
+                f"vllm_xargs.{ours}: steering goes in the 'steering' field",
+                param=f"vllm_xargs.{ours}",
             )
-        prompt = dict(prompt)
         plan.check_room(len(prompt.get("prompt_token_ids") or ()))
-        client_salt = prompt.pop("cache_salt", None)
-        if prepared.steered:
-            prompt["cache_salt"] = combined_salt(prepared.cache_salt, client_salt)
-        elif client_salt:
-            prompt["cache_salt"] = client_salt
         gen = self._backend.generate(prompt, sampling_params, prepared, request_id, **kw)
         tracked = plan.track(i, gen)
         plan.gens.append(tracked)
         return tracked
-
-
-def combined_salt(ours: str | None, client: str | None) -> str | None:
-    """A steered request's salt with the client's own (tenant isolation) folded in: still ours in
-    form (``engine/prefix.py`` reads where steering starts from it), keyed by both."""
-    if not client or not ours:
-        return ours
-    body, sep, start = ours[len(SALT_PREFIX) :].partition(":")
-    digest = hashlib.sha256(f"{body}|{client}".encode()).hexdigest()[: len(body)]
-    return f"{SALT_PREFIX}{digest}{sep}{start}"
 
 
 # --- vLLM's answers and errors as ours ------------------------------------------------------------

@@ -113,7 +113,7 @@ def experiments_router() -> APIRouter:
                 status=409,
                 code="no_decision_log",
             )
-        rep = await asyncio.to_thread(_report, path, min_scored)
+        rep = await asyncio.to_thread(_report, path, min_scored, _split(_state(request)))
         body = await asyncio.to_thread(ab_report.render, rep, fmt)
         headers = {"content-disposition": f'attachment; filename="report.{fmt}"'}
         return Response(body, media_type=ab_report.FORMATS[fmt], headers=headers)
@@ -131,15 +131,23 @@ def _log_path(state: ServerState) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def _report(path: Path, min_scored: int) -> dict[str, Any]:
+def _split(state: ServerState) -> tuple[str, float] | None:
+    """The running experiment's (name, split), for the report's sample-ratio check."""
+    exp = state.experiment
+    return None if exp is None else (exp.name, exp.split)
+
+
+def _report(path: Path, min_scored: int, split: tuple[str, float] | None) -> dict[str, Any]:
     """The report of the log as it is now (recomputed only when the file changed)."""
     st = path.stat()
-    return _report_of(str(path), st.st_size, st.st_mtime_ns, min_scored)
+    return _report_of(str(path), st.st_size, st.st_mtime_ns, min_scored, split)
 
 
 @functools.lru_cache(maxsize=4)
-def _report_of(path: str, size: int, mtime_ns: int, min_scored: int) -> dict[str, Any]:
-    return ab_report.report(path, min_n=min_scored)
+def _report_of(
+    path: str, size: int, mtime_ns: int, min_scored: int, split: tuple[str, float] | None
+) -> dict[str, Any]:
+    return ab_report.report(path, min_n=min_scored, splits=dict([split]) if split else None)
 
 
 def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict[str, Any]:
@@ -157,7 +165,7 @@ def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict
         },
         "log": {"enabled": log.enabled, "content": log.content, "write_failures": log.failures},
         "served": served(state),
-        "report": None if path is None else _report(path, min_scored),
+        "report": None if path is None else _report(path, min_scored, _split(state)),
         "recent": recent(path) if path is not None and log.content else [],
     }
 

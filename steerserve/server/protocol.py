@@ -37,6 +37,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeCompletionRequest as _VTokenizeCompletion,
 )
 
+from steerserve.engine.spec import reserved_key, short_repr
 from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error
 from steerserve.server.experiment import SCORE_MAX, SCORE_MIN
@@ -177,13 +178,14 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
             {"field": path},
         )
     xargs = data.get("vllm_xargs")
-    if isinstance(xargs, dict) and "steerserve" in xargs:
+    ours = next((k for k in xargs if reserved_key(k)), None) if isinstance(xargs, dict) else None
+    if ours is not None:
         raise PydanticCustomError(
             "refused",
             "{message}",
             {
                 "message": "steering goes in the 'steering' field, where it is checked",
-                "field": "vllm_xargs.steerserve",
+                "field": f"vllm_xargs.{short_repr(ours)}",
             },
         )
     if any(isinstance(data.get(k), float) for k in _INTEGRAL):
