@@ -256,7 +256,9 @@ def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
         "flagged": False,
     }
     if split is None:
-        out["note"] = "not checked: the split is not in the log (the server's report knows it)"
+        out["note"] = (
+            "not checked: the split is not in the log (the server's /experiments report checks it)"
+        )
         return out
     check = ab_stats.srm(counts[STEERED], counts[UNSTEERED], split, unit=out["unit"])
     out.update({k: check[k] for k in ("observed_share", "p_value", "checked", "flagged")})
@@ -346,8 +348,8 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         lines += [
             f"**Verdict: {o['verdict']}.**",
             "",
-            f"- Steered − unsteered, always-valid: {_diff_line(o['difference'])} "
-            "(what the verdict stands on).",
+            "- Steered − unsteered, always-valid (what the verdict stands on): "
+            f"{_diff_line(o['difference'])}.",
             f"- Fixed-horizon view: {_diff_line(o['fixed_horizon'])}. "
             f"{o['fixed_horizon']['note']}.",
         ]

@@ -40,9 +40,10 @@ TAU2 = 0.15**2
 SCORE_LO, SCORE_HI = -1.0, 1.0
 #: Weight, in degrees of freedom, of the worst-case variance the plug-in estimate is shrunk
 #: toward (see :func:`pooled_variance`). Without it two replies per arm, all 1 against all 0,
-#: estimate variance 0 and call a "certain" winner: peeking at every reply from 2 per arm then
-#: found false winners in 17 % of A/A runs; with 4 it is 3 %, and past ~30 replies per arm the
-#: estimate is the data's (power for 0.65 vs 0.5 unchanged).
+#: estimate variance 0 and call a "certain" winner: peeking at every reply from 2 per arm up to
+#: 200 then found false winners in 16 % of simulated A/A runs; with 4, in 1.7 % (the report lets
+#: the display floor go down to 2). Past ~30 replies per arm the estimate is the data's: power
+#: for 0.65 vs 0.5 thumbs-up within 500 per arm is 97.4 % either way (tests/test_ab_stats.py).
 PRIOR_DF = 4.0
 #: Floor of the plug-in score variance, for scores all at one end of the range (where even the
 #: worst case is 0): an interval then never shrinks to a point. 0.01: a standard deviation of 0.1.
