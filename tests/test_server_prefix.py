@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,10 @@ def shared(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
-def complete(http: httpx.Client, prompt: str, steering: Any) -> dict:
+def complete(http: httpx.Client, prompt: str, steering: Any, salt: str | None = None) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "steering": steering}
+    if salt is not None:
+        body["cache_salt"] = salt
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -91,3 +94,62 @@ def test_the_ab_endpoints_arms_share_the_prompt(http: httpx.Client) -> None:
 
 def msg(seed: int) -> dict:
     return {"role": "user", "content": text(seed)}
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_the_probes_engine_killer_is_an_ordinary_salt(http: httpx.Client) -> None:
+    """A client salt shaped like steerserve's old one, on an unsteered request whose generated
+    tokens fill blocks (where the scheduler hashes): answered, and the engine lives on."""
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "temperature": 0,
+        "cache_salt": "steer-x:boom",
+    }
+    for _ in range(2):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 300
+    assert http.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "shares"),
+    [
+        (("alice", True), ("bob", True), False),
+        (("alice", True), (None, True), False),
+        (("alice", True), (None, False), False),
+        (("alice", "all"), ("bob", "all"), False),
+        (("alice", "generated"), ("bob", "generated"), False),
+        (("alice", False), ("bob", False), False),
+        (("steer-abc:-1", False), (None, False), False),
+        ((None, False), ("steer-abc:-1", False), False),
+        (("alice", False), ("alice", True), True),
+        (("alice", True), ("alice", False), True),
+    ],
+)
+def test_a_client_salt_isolates_steered_requests(
+    http: httpx.Client, first: tuple, second: tuple, shares: bool
+) -> None:
+    """The probe's table over HTTP: blocks are read only within one client salt (the steered
+    arm of the tiny artifact starts at the last prompt token, so a shared prompt is shared up to
+    it); ``all`` and ``generated`` are positions given as explicit entries."""
+    prompt = text(zlib.crc32(repr((first, second)).encode()))
+    answers = [complete(http, prompt, entries(st), salt) for salt, st in (first, second)]
+    n = answers[1]["usage"]["prompt_tokens"]
+    assert cached(answers[0]) == 0
+    assert cached(answers[1]) == (shared(n) if shares else 0)
+
+
+def entries(steering: Any) -> Any:
+    """``True``/``False`` as sent; a positions name as one explicit entry of the artifact's vector."""
+    if isinstance(steering, bool):
+        return steering
+    return {
+        "entries": [{"vector": "tiny/v1/recall", "layer": 1, "scale": 1.0, "positions": steering}]
+    }
