@@ -84,7 +84,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     backend.check_size(*ep.size(req))
     texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
     spec, call.experiment = enrol(state, request, req, ep)
-    per_prompt = await steer_prompts(state, spec, texts, ep.ab)
+    per_prompt = await steer_prompts(state, spec, texts, ep.ab, scores_prompt(req))
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
     named = preset.id if preset else call.experiment and call.experiment.preset
@@ -208,17 +208,25 @@ def check(state: ServerState, model: str) -> Preset | None:
     return preset
 
 
+def scores_prompt(req: Any) -> bool:
+    """Whether the request reads its prompt's logprobs (``prompt_logprobs``, or a completion's
+    ``echo`` with ``logprobs``: how lm-eval scores a continuation)."""
+    if getattr(req, "prompt_logprobs", None) is not None:
+        return True
+    return bool(getattr(req, "echo", False)) and getattr(req, "logprobs", None) is not None
+
+
 async def steer_prompts(
-    state: ServerState, spec: SteeringSpec | None, texts: list[str], ab: bool
+    state: ServerState, spec: SteeringSpec | None, texts: list[str], ab: bool, scoring: bool
 ) -> list[list[Arm]]:
     """Per prompt, its arms: ``auto`` decides each prompt by its own language (a batch of an
     English and a French prompt steers the French one only); other steering decides once."""
     if not state.policy.detects(spec):
-        return [await steer(state, spec, "", ab)] * len(texts)
+        return [await steer(state, spec, "", ab, scoring)] * len(texts)
     decided: dict[str, list[Arm]] = {}
     for text in texts:
         if text not in decided:
-            decided[text] = await steer(state, spec, text, ab)
+            decided[text] = await steer(state, spec, text, ab, scoring)
     return [decided[t] for t in texts]
 
 
@@ -235,8 +243,11 @@ def summary(arms: list[Arm]) -> Arm:
     return dataclasses.replace(model, info=info)
 
 
-async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bool) -> list[Arm]:
-    """The request's arms: detect the language when the steering is ``auto``, resolve the policy,
+async def steer(
+    state: ServerState, spec: SteeringSpec | None, text: str, ab: bool, scoring: bool = False
+) -> list[Arm]:
+    """The request's arms: detect the language when the steering is ``auto``, resolve the policy
+    (``scoring``: a request that reads its prompt's logprobs, steered at every position),
     admit its entries. A/B: the unsteered arm, then the steered one (which must be steered)."""
     lang = None
     if state.policy.detects(spec):
@@ -245,6 +256,8 @@ async def steer(state: ServerState, spec: SteeringSpec | None, text: str, ab: bo
         except Exception:  # undetectable text: "unsure", which auto treats as English
             lang = None
     decision = state.policy.resolve(spec, language=lang, force=ab)
+    if scoring:
+        decision = state.policy.scoring(decision)
     try:
         prepared = state.backend.prepare(decision.entries or None, decision.field)
     except SteeringError as e:

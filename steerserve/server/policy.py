@@ -237,6 +237,17 @@ class SteeringPolicy:
         echo = tuple(self._echo(e) for e in entries)
         return Decision(policy, tuple(entries), echo, language, field)
 
+    def scoring(self, d: Decision) -> Decision:
+        """``d`` for a request that scores its prompt (prompt logprobs: lm-eval's loglikelihood,
+        echo + logprobs): it reads positions before the last prompt token, which steering from
+        the last prompt token on never reaches, so every entry steers ``all`` positions (the
+        echo says so). Without this a preset would label unsteered scores steered. Entries a
+        client wrote out (``steering.entries``) keep the positions it chose."""
+        if d.policy == "entries" or all(e.positions == "all" for e in d.entries):
+            return d
+        wide = [dataclasses.replace(e, positions="all") for e in d.entries]
+        return dataclasses.replace(d, entries=tuple(wide), echo=tuple(self._echo(e) for e in wide))
+
     def _echo(self, e: SteeringEntry) -> AppliedIntervention:
         """How a response names an entry: its artifact and intervention when it is a loaded
         artifact's vector, and the first 12 hex digits of the vector's sha256."""
