@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from steerserve.server.backend import engine_error
+from steerserve.server.capacity import Ticket
 from steerserve.server.drain import Drain
 from steerserve.server.enrolment import Enrolled, settle_experiment
 from steerserve.server.errors import ApiError
@@ -44,6 +45,7 @@ class Call:
     experiment: Enrolled | None = None  # under the server's A/B experiment
     tokens: tuple[int, int] = (0, 0)  # prompt, completion (all arms), once settled
     preset: str | None = None  # the steering preset the request's model id names
+    seats: Ticket | None = None  # engine seats held until the request is settled (capacity.py)
 
 
 def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> None:
@@ -51,6 +53,7 @@ def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> N
     if call.done:
         return
     call.done = True
+    state.seats.release(call.seats)
     seconds = time.perf_counter() - call.t0
     state.metrics.observe(call.endpoint, call.arm, status, seconds if timed else None)
     if call.preset is not None:

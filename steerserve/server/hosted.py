@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from steerserve.engine.api import Prepared
 from steerserve.engine.spec import reserved_key
+from steerserve.server.capacity import Budget
 from steerserve.server.errors import ApiError
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Plan:
     max_model_len: int
     gens: list[AsyncGenerator[Any, None]]  # shared by the arms of a request: the flight closes them
     experiment: Enrolled | None = None
+    work: Budget | None = None  # the request's prompt work, shared by its arms (capacity.py)
     calls: int = 0
     tokens: dict[str, list[int]] = field(default_factory=dict)
     error: BaseException | None = None
@@ -153,7 +155,12 @@ class SteeringEngine:
                 f"vllm_xargs.{ours}: steering goes in the 'steering' field",
                 param=f"vllm_xargs.{ours}",
             )
-        plan.check_room(len(prompt.get("prompt_token_ids") or ()))
+        n_prompt = len(prompt.get("prompt_token_ids") or ())
+        plan.check_room(n_prompt)
+        if plan.work is not None:
+            plan.work.charge(
+                n_prompt, getattr(sampling_params, "prompt_logprobs", None) is not None
+            )
         gen = self._backend.generate(prompt, sampling_params, prepared, request_id, **kw)
         tracked = plan.track(i, gen)
         plan.gens.append(tracked)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
+from steerserve.server.capacity import Budget, budget
 from steerserve.server.defaults import seqs_per_request
 from steerserve.server.endpoints import Endpoint, check_sequences, copies, repeat
 from steerserve.server.enrolment import decide, enrol
@@ -82,6 +83,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     )
     backend = state.backend
     backend.check_size(*ep.size(req))
+    call.seats = await state.seats.take(client_of(request, req), ep.sequences(req)[0])
     texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
     spec, call.experiment = enrol(state, request, req, ep)
     per_prompt = await steer_prompts(state, spec, texts, ep.ab, scores_prompt(req))
@@ -105,6 +107,11 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     await decide(state, call.experiment, call.endpoint, rid, arms[0].info, texts)
     n_copies = copies(req)
     gens: list[AsyncGenerator[Any, None]] = []
+    prompt_cap, scored_cap = budget(backend.max_model_len, backend.vocab_size)
+    work = Budget(
+        settings.max_prompt_tokens_per_request or prompt_cap,
+        settings.max_scored_tokens_per_request or scored_cap,
+    )
     plans = [
         Plan(
             [p[a].prepared for p in per_prompt],
@@ -113,6 +120,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             backend.max_model_len,
             gens,
             call.experiment,
+            work,
         )
         for a in range(len(arms))
     ]
@@ -184,6 +192,14 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     else:
         [answer] = bodies
     return JSONResponse(answer, headers=headers)
+
+
+def client_of(request: Request, req: Any) -> str:
+    """Who a request's seats count against (``capacity.Seats``): its ``user`` field, else its
+    address. A client can name other users, but never more than the seats all clients share."""
+    if getattr(req, "user", None):
+        return f"user:{req.user}"
+    return f"addr:{request.client.host if request.client else '?'}"
 
 
 def check(state: ServerState, model: str) -> Preset | None:

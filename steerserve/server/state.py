@@ -19,10 +19,12 @@ from steerserve.engine.spec import SteeringError
 from steerserve.server import hosted
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
+from steerserve.server.capacity import Seats
 from steerserve.server.defaults import (
     DRAIN_SECONDS,
     KEEP_ALIVE_SECONDS,
     REQUEST_TIMEOUT_SECONDS,
+    seqs_per_request,
 )
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
@@ -56,6 +58,9 @@ class ServerSettings:
     steering: str = DEFAULT_MODE  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
     max_seqs_per_request: int | None = None  # None: defaults.seqs_per_request's
+    # prompt tokens and scored prompt tokens one request may send (None: capacity.budget's)
+    max_prompt_tokens_per_request: int | None = None
+    max_scored_tokens_per_request: int | None = None
     drain_seconds: int = DRAIN_SECONDS  # on SIGTERM/SIGINT: how long in-flight requests may finish
     keep_alive_seconds: int = KEEP_ALIVE_SECONDS  # idle HTTP connections (see defaults.py)
     request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
@@ -95,6 +100,10 @@ class ServerState:
             settings.ab_log, settings.ab_log_content, self.metrics.ab_log_failures.inc
         )
         self.decisions = Decisions(log)
+        cfg = settings.engine
+        self.seats = Seats(
+            cfg.max_num_seqs, seqs_per_request(cfg.max_num_seqs, settings.max_seqs_per_request)
+        )
         self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
         self.engine_died = False

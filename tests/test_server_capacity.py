@@ -1,0 +1,136 @@
+"""What one request may cost everyone else (``server/capacity.py``): the seats large requests
+leave to small ones and to other clients, and the prompt work one request may send; the seat
+rules in-process, the caps over real HTTP on the tiny Llama."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import AUTH, KEY, MODEL, Server, make_artifact
+
+from steerserve.server.capacity import Budget, Seats, budget, reserved
+from steerserve.server.errors import ApiError
+
+# --- the seats, in-process ------------------------------------------------------------------------
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+def test_one_sequence_is_never_held_and_large_requests_leave_seats_free() -> None:
+    async def go() -> None:
+        s = Seats(total=64, per_client=32)
+        assert s.shared == 64 - reserved(64) == 56
+        assert await s.take("a", 1) is None  # a chat turn, a scoring request
+        a = await s.take("a", 32)
+        b = await s.take("b", 24)
+        assert s.in_use == 56
+        waiting = asyncio.ensure_future(s.take("c", 2))  # 58 > 56: waits
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        s.release(b)
+        c = await waiting
+        assert c is not None and s.in_use == 34
+        s.release(a)
+        s.release(a)  # once only
+        s.release(c)
+        assert s.in_use == 0 and s.by_client == {}
+
+    run(go())
+
+
+def test_one_client_holds_at_most_its_share_and_others_pass_it() -> None:
+    async def go() -> None:
+        s = Seats(total=64, per_client=32)
+        first = await s.take("a", 32)
+        second = asyncio.ensure_future(s.take("a", 32))  # the same client: over its share
+        await asyncio.sleep(0)
+        other = await asyncio.wait_for(s.take("b", 16), 1)  # another client is not held up
+        assert not second.done() and other is not None
+        s.release(first)
+        assert (await second) is not None
+
+    run(go())
+
+
+def test_a_wait_ends_in_429_naming_the_limit_and_leaks_nothing() -> None:
+    async def go() -> None:
+        s = Seats(total=8, per_client=4, max_wait=0.05, max_waiting=1)
+        held = await s.take("a", 4)
+        with pytest.raises(ApiError) as e:
+            await s.take("a", 2)  # waits max_wait, then 429
+        assert e.value.status == 429 and e.value.code == "engine_busy"
+        blocked = asyncio.ensure_future(s.take("a", 2))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError, match="wait for seats already"):
+            await s.take("a", 2)  # a second waiter of the same client: at once
+        blocked.cancel()  # the client went away while waiting
+        await asyncio.gather(blocked, return_exceptions=True)
+        assert not s._queue
+        s.release(held)
+        assert s.in_use == 0
+
+    run(go())
+
+
+def test_prompt_work_caps_name_their_field() -> None:
+    assert budget(2048, 262_144) == (16_384, 1_024)
+    b = Budget(prompt_cap=100, scored_cap=10)
+    b.charge(60, scored=False)
+    with pytest.raises(ApiError) as e:
+        b.charge(41, scored=False)
+    assert e.value.param == "prompt" and e.value.code == "request_too_large"
+    b = Budget(prompt_cap=100, scored_cap=10)
+    b.charge(10, scored=True)
+    with pytest.raises(ApiError) as e:
+        b.charge(1, scored=True)
+    assert e.value.param == "logprobs"
+
+
+# --- over HTTP ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    vectors = tmp_path_factory.mktemp("vectors")
+    make_artifact(vectors, tiny_llama, "v1", seed=0)
+    cfg = EngineConfig(
+        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
+    settings = ServerSettings(
+        engine=cfg,
+        vectors_dir=str(vectors),
+        api_key=KEY,
+        max_prompt_tokens_per_request=400,
+        max_scored_tokens_per_request=100,
+    )
+    srv = Server(create_app(settings))
+    srv.start()
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+        yield c
+    srv.stop()
+
+
+def test_a_request_over_its_prompt_work_is_a_400_naming_the_field(http: httpx.Client) -> None:
+    word = "abcdefgh " * 9  # some 80 tokens of the byte-level vocabulary
+    body = {"model": MODEL, "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = http.post("/v1/completions", json=body | {"prompt": [word, word]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "logprobs" and err["code"] == "request_too_large"
+    r = http.post("/v1/completions", json=body | {"prompt": [word]})  # within the cap
+    assert r.status_code == 200, r.text
+    many = {"model": MODEL, "max_tokens": 1, "prompt": [word] * 6}
+    r = http.post("/v1/completions", json=many)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    steered = {"model": MODEL, "max_tokens": 1, "prompt": [word] * 4, "steering": True}
+    assert http.post("/v1/completions", json=steered).status_code == 200
+    assert http.get("/ready").status_code == 200
