@@ -5,6 +5,7 @@ rules in-process, the caps over real HTTP on the tiny Llama."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,3 +135,71 @@ def test_a_request_over_its_prompt_work_is_a_400_naming_the_field(http: httpx.Cl
     steered = {"model": MODEL, "max_tokens": 1, "prompt": [word] * 4, "steering": True}
     assert http.post("/v1/completions", json=steered).status_code == 200
     assert http.get("/ready").status_code == 200
+
+
+# --- structured-output grammars (server/grammar.py) -----------------------------------------------
+
+
+def big_schema(props: int) -> dict:
+    p = {f"field_{k}": {"type": "string", "pattern": "^[a-z]{1,8}$"} for k in range(props)}
+    return {"type": "object", "properties": p, "required": list(p)}
+
+
+def test_a_grammar_past_its_bound_is_a_400_naming_its_field(http: httpx.Client) -> None:
+    from steerserve.server.grammar import MAX_GRAMMAR_CHARS
+
+    big = big_schema(1500)
+    assert len(json.dumps(big)) > MAX_GRAMMAR_CHARS
+    base = {"model": MODEL, "prompt": "JSON:", "max_tokens": 4}
+    cases = [
+        ("structured_outputs", {"structured_outputs": {"json": big}}),
+        (
+            "response_format",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": big},
+                }
+            },
+        ),
+    ]
+    for field, extra in cases:
+        r = http.post("/v1/completions", json=base | extra)
+        assert r.status_code == 400, r.text
+        assert (
+            r.json()["error"]["param"] == field and r.json()["error"]["code"] == "grammar_too_large"
+        )
+    tool = {"type": "function", "function": {"name": "f", "parameters": big}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = http.post("/v1/chat/completions", json=chat | {"tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = http.post("/v1/completions", json=base | {"stop_token_ids": list(range(2000))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    small = {"structured_outputs": {"json": big_schema(3)}}
+    assert http.post("/v1/completions", json=base | small).status_code == 200
+
+
+def test_an_engine_side_grammar_failure_is_a_400_naming_the_field() -> None:
+    """What vLLM's scheduler sends when a grammar fails to compile in the engine (a regex past
+    xgrammar's compile timeout: on a large vocabulary only, so the output is built here)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from steerserve.server.hosted import Plan
+
+    failed = CompletionOutput(0, "", [], None, None, finish_reason="error")
+    out = RequestOutput("r", None, [1, 2], None, [failed], finished=True)
+
+    async def engine():  # noqa: ANN202
+        yield out
+
+    async def go() -> None:
+        plan = Plan([], ["unsteered"], None, 512, [], grammar="structured_outputs")
+        with pytest.raises(ApiError) as e:
+            async for _ in plan.track(0, engine()):
+                pass
+        assert e.value.status == 400 and e.value.param == "structured_outputs"
+        assert plan.error is e.value  # a stream's in-band error says the same
+        plain = Plan([], ["unsteered"], None, 512, [])
+        assert [o async for o in plain.track(0, engine())] == [out]  # no grammar: vLLM's 500
+
+    run(go())

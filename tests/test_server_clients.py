@@ -10,6 +10,7 @@ applied (the ``steering`` echo, and a steered answer that differs from the unste
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -361,6 +362,9 @@ def test_vllm_metrics_beside_ours(http: httpx.Client, server: Server) -> None:
         assert f"\n{name}" in text, name
     done = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in done) >= 1
+    # labelled with the served name, never the host's path to the model
+    names = {m for m in re.findall(r'^vllm:[^{]*\{[^}]*model_name="([^"]*)"', text, re.M)}
+    assert names == {MODEL}, names
 
 
 def test_compat_doc_lists_every_field() -> None:

@@ -33,6 +33,8 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
+    # the name vLLM's own metrics label the model with (None: the model's path)
+    served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = 2048
     max_num_seqs: int = 64
@@ -91,6 +93,8 @@ def engine_kwargs(cfg: EngineConfig, shape: ModelShape) -> dict[str, Any]:
         enable_prefix_caching=cfg.enable_prefix_caching,
         seed=cfg.seed,
     )
+    if cfg.served_model_name is not None:
+        kw["served_model_name"] = cfg.served_model_name
     if cfg.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.distributed_executor_backend is not None:

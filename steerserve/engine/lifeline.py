@@ -13,6 +13,7 @@ exits by itself once the last process holding its pipe is gone.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -75,6 +76,11 @@ def _watch(parent: int) -> None:
     logger.warning(
         "steerserve: parent process %d died; %s (pid %d) stops", parent, name, os.getpid()
     )
+    # The kernel ends the process TEARDOWN seconds from now whatever Python is doing: SIGALRM's
+    # default action is to terminate, and it needs no Python thread to wake (an outside probe
+    # saw a worker outlive its parent by 30-81 s after logging this, waiting on the sleep below).
+    if signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None):
+        signal.alarm(int(math.ceil(TEARDOWN)))
     # vLLM's own teardown where it handles SIGTERM; the default action (exit) where nothing does;
     # ignored in a worker, which stops when EngineCore closes its death pipe or dies.
     os.kill(os.getpid(), signal.SIGTERM)

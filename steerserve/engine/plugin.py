@@ -16,6 +16,9 @@ import os
 
 #: Set (to ``"1"``) in a process that builds a steerserve engine; its children inherit it.
 ENV = "STEERSERVE_ENGINE"
+#: xgrammar's compiler cache in a steerserve engine, in MB (vLLM's default 512 MB, which the
+#: engine core never gives back), unless ``VLLM_XGRAMMAR_CACHE_MB`` is set already.
+XGRAMMAR_CACHE_MB = 64
 
 _registered = False
 _active = False
@@ -38,8 +41,9 @@ def register() -> None:
 
 def activate() -> None:
     """Called before steerserve builds an engine: this process and every process it starts are
-    steerserve's, with the seams installed (idempotent)."""
+    steerserve's, with the seams installed and xgrammar's cache bounded (idempotent)."""
     os.environ[ENV] = "1"
+    os.environ.setdefault("VLLM_XGRAMMAR_CACHE_MB", str(XGRAMMAR_CACHE_MB))
     register()
 
 

@@ -68,6 +68,7 @@ class Plan:
     gens: list[AsyncGenerator[Any, None]]  # shared by the arms of a request: the flight closes them
     experiment: Enrolled | None = None
     work: Budget | None = None  # the request's prompt work, shared by its arms (capacity.py)
+    grammar: str | None = None  # the field of the request's structured-output grammar, if any
     calls: int = 0
     tokens: dict[str, list[int]] = field(default_factory=dict)
     error: BaseException | None = None
@@ -104,6 +105,13 @@ class Plan:
         first = True
         try:
             async for out in gen:
+                if self.grammar is not None and _failed_before_a_token(out):
+                    raise ApiError(  # the engine failed its grammar: compile error or timeout
+                        f"{self.grammar}: the engine could not compile this grammar (too complex, "
+                        "or its compilation timed out); simplify it",
+                        param=self.grammar,
+                        code="grammar_not_compiled",
+                    )
                 if first:
                     t[0] += len(out.prompt_token_ids or ())
                     first = False
@@ -117,6 +125,12 @@ class Plan:
             raise
         finally:
             await gen.aclose()
+
+
+def _failed_before_a_token(out: Any) -> bool:
+    """An engine output that ended in error before any token: what vLLM's scheduler sends when a
+    request's grammar failed to compile (its only such error on this server's engines)."""
+    return any(o.finish_reason == "error" and not o.token_ids for o in out.outputs)
 
 
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("steerserve_plan", default=None)

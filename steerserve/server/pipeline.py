@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError
+from steerserve.server import grammar
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.capacity import Budget, budget
 from steerserve.server.defaults import seqs_per_request
@@ -77,6 +78,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         req.steering = preset.spec  # explicit steering from here on (never enrolled)
         call.preset = preset.id
     ep.admit(req)
+    grammar.check(req)
     settings = state.settings
     check_sequences(
         ep, req, seqs_per_request(settings.engine.max_num_seqs, settings.max_seqs_per_request)
@@ -121,6 +123,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             gens,
             call.experiment,
             work,
+            next(iter(grammar.grammars(req)), None),
         )
         for a in range(len(arms))
     ]

@@ -4,6 +4,7 @@ artifacts it loads (at start, or by name at run time)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -87,7 +88,9 @@ class ServerState:
         if settings.steering not in MODES:
             raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
         self.settings = settings
-        self.backend = Backend(settings.engine, settings.drain_seconds)
+        self.model_name = settings.served_model_name or Path(settings.engine.model).name
+        engine = dataclasses.replace(settings.engine, served_model_name=self.model_name)
+        self.backend = Backend(engine, settings.drain_seconds)
         self.policy = SteeringPolicy(
             self.backend.registry, settings.steering, settings.engine.max_abs_scale
         )
@@ -104,7 +107,6 @@ class ServerState:
         self.seats = Seats(
             cfg.max_num_seqs, seqs_per_request(cfg.max_num_seqs, settings.max_seqs_per_request)
         )
-        self.model_name = settings.served_model_name or Path(settings.engine.model).name
         self.load_error: BaseException | None = None
         self.engine_died = False
         self.stopping = False  # set on SIGINT/SIGTERM: the engine may stop, it did not die

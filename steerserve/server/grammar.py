@@ -1,0 +1,65 @@
+"""Bounds on structured outputs: what one request's grammar may cost the engine.
+
+vLLM compiles a request's JSON schema, regex or grammar with xgrammar in the engine core, whose
+compiled grammars and compiler cache are never given back to the system: eight distinct 200 KB
+schemas (5,000 required properties with patterns) grew the engine core from 1.3 to 6.3 GB. vLLM has
+no size limit of its own, so the server refuses a grammar past :data:`MAX_GRAMMAR_CHARS` (its JSON
+text, summed over the request's grammar-bearing fields) with a 400 naming the field, and caps
+xgrammar's compiler cache in the engine (``engine/plugin.py``: ``XGRAMMAR_CACHE_MB``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from steerserve.server.errors import ApiError
+
+#: The JSON text of a request's grammars (schema, regex, grammar, choices, structural tag, the
+#: tools a required or named ``tool_choice`` compiles) that one request may send: 64 KiB, ten
+#: times a large hand-written schema, a third of the probe's 200 KB ones.
+MAX_GRAMMAR_CHARS = 65_536
+#: ``stop_token_ids`` one request may send (100,000 of them held the event loop 2.3 s).
+MAX_STOP_TOKEN_IDS = 1_024
+
+
+def _text(value: Any) -> str:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump(mode="json", exclude_none=True)
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def grammars(req: Any) -> dict[str, Any]:
+    """The request's fields that vLLM compiles into a grammar, by name."""
+    out = {
+        name: getattr(req, name)
+        for name in ("structured_outputs", "response_format")
+        if getattr(req, name, None) is not None
+    }
+    choice = getattr(req, "tool_choice", None)
+    if getattr(req, "tools", None) and choice not in (None, "none", "auto"):
+        out["tools"] = req.tools  # required or a named tool: its parameters become a grammar
+    return out
+
+
+def check(req: Any) -> None:
+    """A 400 naming the field when the request's grammars or stop ids exceed their bounds."""
+    total = 0
+    for name, value in grammars(req).items():
+        total += len(_text(value))
+        if total > MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                f"{name}: the request's structured-output grammars are {total:,}+ characters of "
+                f"JSON; this server compiles at most {MAX_GRAMMAR_CHARS:,} per request",
+                param=name,
+                code="grammar_too_large",
+            )
+    stops = getattr(req, "stop_token_ids", None) or ()
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(
+            f"stop_token_ids: {len(stops)} ids; at most {MAX_STOP_TOKEN_IDS} per request",
+            param="stop_token_ids",
+        )
