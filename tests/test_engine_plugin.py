@@ -72,3 +72,17 @@ def test_parallel_settings_pass_through(tiny_llama):
     kw = engine_kwargs(cfg, ModelShape.read(str(tiny_llama)))
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 2)
     assert kw["distributed_executor_backend"] == "ray"
+
+
+def test_structured_outputs_are_compact_unless_configured(tiny_llama):
+    from vllm.engine.arg_utils import EngineArgs
+
+    shape = ModelShape.read(str(tiny_llama))
+    cfg = EngineConfig(model=str(tiny_llama), max_model_len=512)
+    built = EngineArgs(**engine_kwargs(cfg, shape)).create_engine_config()
+    assert built.structured_outputs_config.disable_any_whitespace
+    mine = {"structured_outputs_config": {"backend": "guidance"}}
+    cfg = EngineConfig(model=str(tiny_llama), max_model_len=512, extra=mine)
+    built = EngineArgs(**engine_kwargs(cfg, shape)).create_engine_config()
+    assert not built.structured_outputs_config.disable_any_whitespace
+    assert built.structured_outputs_config.backend == "guidance"

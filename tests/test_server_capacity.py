@@ -203,3 +203,25 @@ def test_an_engine_side_grammar_failure_is_a_400_naming_the_field() -> None:
         assert [o async for o in plain.track(0, engine())] == [out]  # no grammar: vLLM's 500
 
     run(go())
+
+
+def test_json_is_compact_by_default(http: httpx.Client) -> None:
+    """The engine's default structured-outputs config has no whitespace between JSON tokens
+    (``engine.api.STRUCTURED_OUTPUTS``): JSON strings hold no raw newline or tab, so any in the
+    answer would be grammar-allowed whitespace, which ate steered answers' token budgets."""
+    schema = big_schema(3)
+    for steering in (False, True):
+        body = {
+            "model": MODEL,
+            "prompt": "JSON:",
+            "max_tokens": 40,
+            "temperature": 1.0,
+            "seed": 1,
+            "n": 4,
+            "steering": steering,
+            "structured_outputs": {"json": schema},
+        }
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert not set(c["text"]) & {"\n", "\t", "\r"}, c["text"]

@@ -25,6 +25,8 @@ from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUE
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "steerserve.engine.worker.SteerWorkerExtension"
+#: vLLM's structured-outputs config in a steerserve engine, unless one is given.
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 @dataclass
@@ -93,6 +95,10 @@ def engine_kwargs(cfg: EngineConfig, shape: ModelShape) -> dict[str, Any]:
         enable_prefix_caching=cfg.enable_prefix_caching,
         seed=cfg.seed,
     )
+    # Compact JSON (vLLM lets the grammar allow any whitespace): steered answers spent their
+    # max_tokens on grammar-legal whitespace (36 of 66 cut before the JSON closed). A given
+    # structured_outputs_config (cfg.extra) replaces this whole.
+    kw["structured_outputs_config"] = dict(STRUCTURED_OUTPUTS)
     if cfg.served_model_name is not None:
         kw["served_model_name"] = cfg.served_model_name
     if cfg.max_num_batched_tokens is not None:
