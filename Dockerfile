@@ -46,7 +46,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# `[gpu]` is vllm==0.33.0 (CUDA). Ray is vLLM's multi-node executor (deploy/k8s/multinode-ray.yaml);
+# `[gpu]` is vllm==0.33.0 (CUDA); `[postgres]` the driver of the PostgreSQL experiment store. Ray is vLLM's multi-node executor (deploy/k8s/multinode-ray.yaml);
 # build with --build-arg RAY_REQUIREMENT= to leave it out of a single-node image.
 ARG RAY_REQUIREMENT="ray[default]==2.60.0"
 # Both are pinned: the wheel's `gpu` extra says vllm==0.33.0, RAY_REQUIREMENT says its version.
@@ -54,7 +54,7 @@ ARG RAY_REQUIREMENT="ray[default]==2.60.0"
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python3 -m venv /opt/venv \
     && set -- /wheels/steerserve-*.whl \
-    && pip install "$1[gpu]" ${RAY_REQUIREMENT:+"$RAY_REQUIREMENT"}
+    && pip install "$1[gpu,postgres]" ${RAY_REQUIREMENT:+"$RAY_REQUIREMENT"}
 
 COPY --from=builder --chown=10001:10001 /src/vectors /app/vectors
 

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU image's install steps in a fresh venv (tests/test_deploy.py) read it offline.
 WHEELS ?= .work/wheelhouse
 
-.PHONY: setup browser test lint serve
+.PHONY: setup browser postgres test lint serve
 
 setup: $(VENV)/.setup-done
 
@@ -33,6 +33,20 @@ browser:
 	  || echo "make browser: apt-get install chromium failed; the browser tests will skip"; \
 	else \
 	  echo "make browser: not root, cannot apt-get install chromium; the browser tests will skip"; \
+	fi
+
+# The experiment-store tests (tests/test_ab_store.py) start a throwaway PostgreSQL server from
+# Debian's package (initdb in a temporary folder, as an unprivileged user when run as root). Where
+# it cannot be installed (not root, no package mirror) this says so, and those tests skip, printing why.
+postgres:
+	@if ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then \
+	  echo "postgres: $$(ls -d /usr/lib/postgresql/*/bin | tail -1)"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    postgresql >/dev/null; } \
+	  || echo "make postgres: apt-get install postgresql failed; the PostgreSQL store tests will skip"; \
+	else \
+	  echo "make postgres: not root, cannot apt-get install postgresql; the PostgreSQL store tests will skip"; \
 	fi
 
 lint: setup

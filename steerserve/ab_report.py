@@ -1,4 +1,5 @@
-"""``steerserve ab-report LOG``: who won a server-side A/B experiment, read from its decision log.
+"""``steerserve ab-report LOG|STORE``: who won a server-side A/B experiment, read from its decision
+log or its experiment store.
 
 Per experiment, arm and detected language: requests, mean feedback score with a 95 % CI, the
 steered - unsteered difference with its always-valid 95 % CI and p-value (an mSPRT, see
@@ -17,13 +18,16 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from steerserve import ab_stats
 from steerserve.engine.spec import finite_number
 from steerserve.server.experiment import STEERED, UNSTEERED, check_score
+
+if TYPE_CHECKING:
+    from steerserve.server.ab_store import Store
 
 #: Fewer scored replies than this in either arm: no winner is called. A display floor only: the
 #: always-valid test needs no planned sample size, but its plug-in variance is rough on a handful
@@ -76,22 +80,31 @@ def scan_log(path: str | Path) -> tuple[list[Row], Ignored]:
     and the lines ignored: unreadable ones (not JSON, a torn last line included; a record whose
     fields have the wrong types or a score outside the server's range) and feedback for an id
     with no decision in the log (its decision line was lost)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return scan_records(map(_parse, f))
+
+
+def _parse(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None  # a torn line: counted unreadable
+
+
+def scan_records(records: Iterable[Any]) -> tuple[list[Row], Ignored]:
+    """:func:`scan_log` of records already parsed (a log's lines, or an experiment store's rows
+    in the same shape: one join for both)."""
     rows: dict[str, Row] = {}
     scores: dict[str, list[float]] = {}
     ignored = Ignored()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except (ValueError, RecursionError):
-                rec = None
-            kind = rec.get("type") if isinstance(rec, dict) else None
-            if kind == "decision" and (row := _decision(rec)) is not None:
-                rows[row.id] = row
-            elif kind == "feedback" and (score := _score(rec)) is not None:
-                scores.setdefault(rec["id"], []).append(score)
-            else:
-                ignored.unreadable += 1
+    for rec in records:
+        kind = rec.get("type") if isinstance(rec, dict) else None
+        if kind == "decision" and (row := _decision(rec)) is not None:
+            rows[row.id] = row
+        elif kind == "feedback" and (score := _score(rec)) is not None:
+            scores.setdefault(rec["id"], []).append(score)
+        else:
+            ignored.unreadable += 1
     for rid, given in scores.items():
         if rid in rows:
             rows[rid].score = given[-1]
@@ -272,11 +285,13 @@ def build_report(
     min_n: int = MIN_SCORED,
     ignored: Ignored | None = None,
     splits: Mapping[str, float] | None = None,
+    store: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report of every experiment in ``rows``, overall and per detected language
     (``ignored``: the log's lines it does not stand on, said in the report; ``skipped_lines``
     is their total; ``splits``: the share of subjects steered by experiment name, for the
-    sample-ratio check of those it names: the log does not record it)."""
+    sample-ratio check of those it names: the log does not record it; ``store``: an experiment
+    store's own account of its replicas, records dropped before they reached it included)."""
     ignored = ignored or Ignored()
     splits = splits or {}
     enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
@@ -290,6 +305,8 @@ def build_report(
         "alpha": ALPHA,
         "experiments": {},
     }
+    if store is not None:
+        out["store"] = dict(store)
     for name in sorted({r.experiment for r in enrolled}):  # type: ignore[type-var]
         mine = [r for r in enrolled if r.experiment == name]
         langs = sorted({r.language or "unknown" for r in mine})
@@ -338,6 +355,8 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
     ]
     if note := ignored_note(rep):
         lines += ["", f"{note}."]
+    if (st := rep.get("store")) is not None:
+        lines += ["", store_line(st)]
     if not rep["experiments"]:
         lines += ["", "No enrolled requests in this log."]
     for name, exp in rep["experiments"].items():
@@ -409,24 +428,51 @@ def srm_warning(srm: Mapping[str, Any] | None) -> str | None:
 
 
 def ignored_note(rep: Mapping[str, Any]) -> str | None:
-    """What the report left out of the log and why, or None: the log needs a look when any."""
-    if not rep.get("skipped_lines"):
-        return None
-    why = []
-    if n := rep.get("unreadable_lines"):
-        why.append(f"{n} unreadable line(s)")
-    if n := rep.get("orphan_feedback_lines"):
-        why.append(f"{n} feedback line(s) for an answer with no decision in the log")
-    return f"{rep['skipped_lines']} line(s) of the log skipped: {', '.join(why)}"
+    """What the report left out of the log and why (or, from a store, what never reached it),
+    or None: the log needs a look when any."""
+    notes = []
+    if rep.get("skipped_lines"):
+        why = []
+        if n := rep.get("unreadable_lines"):
+            why.append(f"{n} unreadable line(s)")
+        if n := rep.get("orphan_feedback_lines"):
+            why.append(f"{n} feedback line(s) for an answer with no decision in the log")
+        notes.append(f"{rep['skipped_lines']} line(s) of the log skipped: {', '.join(why)}")
+    if dropped := (rep.get("store") or {}).get("dropped"):
+        notes.append(
+            f"{dropped} record(s) dropped by the servers before they reached the store (a full "
+            "queue while it was unreachable, feedback over the cap): not in these numbers"
+        )
+    return "; ".join(notes) or None
+
+
+def store_line(st: Mapping[str, Any]) -> str:
+    """An experiment store's account in one sentence."""
+    line = (
+        f"Experiment store {st['url']}: {st['replicas']} server process(es) wrote "
+        f"{st['written']} records"
+    )
+    if st.get("queued"):
+        line += f"; {st['queued']} were still queued at their last write"
+    return line + "."
 
 
 def report(
-    path: str | Path, min_n: int = MIN_SCORED, splits: Mapping[str, float] | None = None
+    source: str | Path | Store, min_n: int = MIN_SCORED, splits: Mapping[str, float] | None = None
 ) -> dict[str, Any]:
-    """The report of the decision log at ``path``: what ``steerserve ab-report`` prints and the
-    server's ``/experiments`` page shows (one code path for both; the server passes its
-    experiment's split in ``splits`` for the sample-ratio check)."""
-    rows, ignored = scan_log(path)
+    """The report of a decision log (a path) or an experiment store (its URL, or the server's
+    open store): what ``steerserve ab-report`` prints and the server's ``/experiments`` page
+    shows (one code path for both; the server passes its experiment's split in ``splits`` for
+    the sample-ratio check). ValueError: a store URL that cannot be read."""
+    from steerserve.server import ab_store
+
+    if isinstance(source, ab_store.Store):
+        rows, ignored = scan_records(source.records())
+        return build_report(rows, min_n, ignored, splits, store=source.status())
+    if ab_store.is_store_url(source):
+        with ab_store.open_store(str(source), migrate=False) as store:
+            return report(store, min_n, splits)
+    rows, ignored = scan_log(source)
     return build_report(rows, min_n=min_n, ignored=ignored, splits=splits)
 
 

@@ -172,7 +172,27 @@ def serve(
         False,
         "--ab-log-content",
         envvar="STEERSERVE_AB_LOG_CONTENT",
-        help="Also log prompts and replies (off by default: they may be personal data).",
+        help="Also log prompts and replies, in the log and the store (off by default: they may "
+        "be personal data).",
+    ),
+    ab_store: str = typer.Option(
+        None,
+        envvar="STEERSERVE_AB_STORE",
+        help="A/B experiment store every replica shares: sqlite:///PATH (one file, several "
+        "processes on one host; sqlite:////an/absolute/path) or postgresql://USER@HOST:PORT/DB "
+        "(replicas on many hosts; the password from the URL or libpq's PGPASSWORD/~/.pgpass, "
+        "never logged). Decisions and feedback go there (created and migrated at start), "
+        "feedback for any replica's answer is joined, and 'steerserve ab-report URL' reads "
+        "it; --ab-log then is an export.",
+        show_default=False,
+    ),
+    ab_store_spill: str = typer.Option(
+        None,
+        envvar="STEERSERVE_AB_STORE_SPILL",
+        help="Folder where records still queued for an unreachable store are kept at shutdown "
+        "and written at the next start (default: PATH-spill beside a SQLite store, else "
+        "~/.local/state/steerserve/ab-spill).",
+        show_default=False,
     ),
     tool_call_parser: str = typer.Option(
         "auto",
@@ -222,6 +242,7 @@ def serve(
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
         max_seqs_per_request, ops_per_layer, quantization, tool_call_parser,
         enable_auto_tool_choice, chat_template, tuple(ctx.args), tuple(preset), ab_preset,
+        ab_store, ab_store_spill,
     )  # fmt: skip
     try:
         settings = so.settings(opts)
@@ -232,7 +253,12 @@ def serve(
 
 @app.command("ab-report")
 def ab_report(
-    log: Path = typer.Argument(..., help="The decision log of 'steerserve serve --ab-log'."),
+    log: str = typer.Argument(
+        ...,
+        help="The decision log of 'steerserve serve --ab-log' (a file), or its experiment store "
+        "(--ab-store's URL: sqlite:///PATH, postgresql://...): every replica's records.",
+        show_default=False,
+    ),
     out: Path = typer.Option(
         None, "--out", help="Folder for report.md, report.json and report.png (default: none)."
     ),
@@ -241,14 +267,20 @@ def ab_report(
     ),
 ) -> None:
     """Who won the server's A/B experiment: per arm and detected language, requests, mean
-    feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95."""
+    feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95.
+    Exits 1 when records were skipped or dropped (the report says which)."""
     from steerserve.ab_report import ignored_note, report, report_markdown, write_report
+    from steerserve.server.ab_store import is_store_url, shown
 
-    if not log.is_file():
+    if not is_store_url(log) and not Path(log).is_file():
         raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
     if out is not None and out.exists() and not out.is_dir():
         raise typer.BadParameter(f"{out} exists and is not a folder", param_hint="--out")
-    rep = report(log, min_n=min_scored)
+    try:
+        rep = report(log, min_n=min_scored)
+    except ValueError as e:  # a store that cannot be read: said in one line
+        raise typer.BadParameter(str(e), param_hint="LOG") from None
+    log = shown(log) if is_store_url(log) else log
     typer.echo(report_markdown(rep), nl=False)
     if out is not None:
         typer.echo(f"\nwrote {write_report(rep, out)} (+ report.json, report.png)")

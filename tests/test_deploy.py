@@ -81,6 +81,8 @@ SERVE_ENV = {
     "STEERSERVE_AB_NAME",
     "STEERSERVE_AB_LOG",
     "STEERSERVE_AB_LOG_CONTENT",
+    "STEERSERVE_AB_STORE",
+    "STEERSERVE_AB_STORE_SPILL",
     "STEERSERVE_AB_PRESET",
     "STEERSERVE_TOOL_CALL_PARSER",
     "STEERSERVE_ENABLE_AUTO_TOOL_CHOICE",
@@ -211,7 +213,7 @@ def test_gpu_image() -> None:
     assert re.fullmatch(r"nvidia/cuda:1[2-9][.\d]*-runtime-ubuntu[\d.]+", base), base
     assert final[0] == ("FROM", "${CUDA_IMAGE} AS runtime")
     runs = " ".join(a for op, a in final if op == "RUN")
-    assert '"$1[gpu]"' in runs, "installs the wheel with the `gpu` extra"
+    assert '"$1[gpu,postgres]"' in runs, "installs the wheel with the `gpu` and `postgres` extras"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^gpu = \["vllm==0\.33\.0"\]', pyproject, re.M)
     # Only what Triton's run-time compile needs, no general build tooling.

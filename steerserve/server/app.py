@@ -58,8 +58,10 @@ def _state(request: Request) -> ServerState:
 
 
 async def require_key(request: Request) -> None:
-    key = _state(request).settings.api_key
-    if not key:
+    state = _state(request)
+    key = state.settings.api_key
+    if not key:  # on loopback, loopback Host names only (DNS rebinding): admin.AdminGate
+        state.admin.check_api(request.headers.get("host"))
         return
     auth = request.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
@@ -91,7 +93,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
             await state.backend.shutdown(signalled=state.stopping)
-            state.decisions.log.close()
+            await asyncio.to_thread(state.decisions.close)  # the store's queue drains (bounded)
             logger.info("engine shut down")
 
     # No /docs or /redoc: FastAPI's pages load Swagger UI / ReDoc from a CDN and run it on this
@@ -296,7 +298,11 @@ def _v1_router() -> APIRouter:
         404: {"model": ErrorResponse, "description": "no answer of the experiment has this id"},
         409: {"model": ErrorResponse, "description": "the server keeps no decision log"},
         429: {"model": ErrorResponse, "description": "this answer was scored 5 times already"},
-        503: {"model": ErrorResponse, "description": "the decision log could not be written"},
+        503: {
+            "model": ErrorResponse,
+            "description": "the decision log could not be written, or the experiment store "
+            "is unreachable",
+        },
     }
 
     @r.post("/steering/feedback", response_model=None, **feedback)
@@ -305,7 +311,7 @@ def _v1_router() -> APIRouter:
         s = _state(request)
         call = request.state.call = pipeline.Call("feedback")
         req = await read_request(request, P.FeedbackRequest, s.settings.max_body_bytes)
-        out = s.feedback(req.id, req.score)
+        out = await asyncio.to_thread(s.feedback, req.id, req.score)  # the store's round trip
         pipeline.finish(s, call, 200, timed=False)
         return out
 

@@ -18,6 +18,7 @@ import os
 import stat
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,11 @@ class DecisionNotLogged(Exception):
 
 class LogUnwritable(Exception):
     """The decision log refused a line (full disk): what it carried is lost."""
+
+
+class StoreUnavailable(Exception):
+    """The experiment store (``--ab-store``) cannot be reached now, or its queue here is full:
+    a retry may succeed."""
 
 
 def check_score(score: Any) -> float:
@@ -236,10 +242,17 @@ def _ends_mid_line(path: Path) -> bool:
 class Decisions:
     """The completion ids this server answered and logged (bounded), so feedback can be checked
     and joined; and those whose decision line was lost, so their feedback is refused, not logged
-    for a decision the report will never see."""
+    for a decision the report will never see.
 
-    def __init__(self, log: DecisionLog) -> None:
+    With an experiment store (``store``: its writer), the store holds the decisions and feedback
+    of every replica and the JSONL log, when also given, is an export; the ids remembered here
+    let feedback queue behind this replica's own records while the store is unreachable."""
+
+    def __init__(self, log: DecisionLog, store: Any = None) -> None:
         self.log = log
+        self.store = store  # ab_store.writer.Writer (not imported: it imports this module)
+        if store is not None:
+            store.on_lost = self._forget
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lost: OrderedDict[str, None] = OrderedDict()
         self._scored: dict[str, int] = {}  # scores given per remembered id
@@ -263,13 +276,28 @@ class Decisions:
             while len(self._lost) > MAX_REMEMBERED:
                 self._lost.popitem(last=False)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether decisions are kept anywhere (feedback needs it)."""
+        return self.log.enabled or self.store is not None
+
+    def close(self) -> None:
+        """Close the log; drain the store's queue (bounded), keeping the rest for the next start."""
+        self.log.close()
+        if self.store is not None:
+            self.store.close()
+
     def record(self, rid: str, decision: dict[str, Any]) -> bool:
-        """Log one answered request and remember it for feedback; False if its line was lost."""
+        """Log one answered request and remember it for feedback; False if its line was lost.
+        With a store the record is only queued for it (no I/O on the request's path)."""
         rec = {"type": "decision", "ts": round(time.time(), 3), "id": rid, **decision}
         if not self.log.content:
             rec.pop("prompt", None)
             rec.pop("reply", None)
-        if not self.log.write(rec):
+        logged = self.log.write(rec)
+        if self.store is not None:
+            logged = self.store.put(rec)  # the log is an export: the store decides
+        if not logged:
             self._forget(rid)
             return False
         self._remember(rid, rec)
@@ -285,6 +313,8 @@ class Decisions:
         score; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line was
         not written (the score is lost, so say so)."""
         score = check_score(score)
+        if self.store is not None:
+            return self._stored_feedback(rid, score)
         known = self.get(rid)
         if known is None:
             with self._lock:
@@ -300,3 +330,47 @@ class Decisions:
                 self._scored[rid] -= 1
             raise LogUnwritable(str(self.log.path))
         return known
+
+    def _stored_feedback(self, rid: str, score: float) -> dict[str, Any]:
+        """Feedback with a store: straight into it (any replica's answer; the cap counted
+        there), unless a record of ``rid`` still waits in this replica's queue or the store is
+        unreachable and this replica answered ``rid``: then it queues behind, the cap counted
+        here and again when written. :class:`StoreUnavailable`: neither was possible."""
+        known = self.get(rid)
+        with self._lock:
+            lost = rid in self._lost
+        if known is None and lost:
+            raise DecisionNotLogged(rid)
+        rec = {"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score}
+        rec["fid"] = uuid.uuid4().hex  # the same score written twice (a retry) counts once
+        if known is None or not self.store.holds(rid):
+            try:
+                got = self.store.feedback(rec)
+            except StoreUnavailable:
+                if known is None:
+                    raise
+            else:
+                self._count(rid)
+                self.log.write(_line(rec))
+                return got
+        self._count(rid, check=True)
+        if not self.store.put(rec):
+            with self._lock:
+                self._scored[rid] -= 1
+            raise StoreUnavailable("the experiment store's queue is full")
+        self.log.write(_line(rec))
+        return known
+
+    def _count(self, rid: str, check: bool = False) -> None:
+        """One more score for a remembered ``rid``; ``check``: FeedbackLimit past the cap."""
+        with self._lock:
+            if rid not in self._seen:
+                return
+            if check and self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
+                raise FeedbackLimit(rid)
+            self._scored[rid] = self._scored.get(rid, 0) + 1
+
+
+def _line(rec: dict[str, Any]) -> dict[str, Any]:
+    """A feedback record as the JSONL log's line (the store's idempotency key left out)."""
+    return {k: v for k, v in rec.items() if k != "fid"}

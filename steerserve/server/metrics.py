@@ -80,6 +80,29 @@ class Metrics:
             "Decision-log writes that failed (a full disk...); the requests were still answered.",
             registry=r,
         )
+        # the experiment store (--ab-store): every record is written, queued or dropped
+        self.ab_store_written = Counter(
+            "steerserve_ab_store_written",
+            "Records (decisions, feedback) this process wrote to the experiment store.",
+            registry=r,
+        )
+        self.ab_store_queued = Gauge(
+            "steerserve_ab_store_queued",
+            "Records waiting in this process for the experiment store (bounded; they queue "
+            "while it is unreachable and are written in order when it is back).",
+            registry=r,
+        )
+        self.ab_store_dropped = Counter(
+            "steerserve_ab_store_dropped",
+            "Records that never reached the experiment store: the queue was full, the store "
+            "refused them (feedback over the cap), or they could not be kept at shutdown.",
+            registry=r,
+        )
+        self.ab_store_up = Gauge(
+            "steerserve_ab_store_up",
+            "1 while the experiment store takes this process's writes, 0 while they queue.",
+            registry=r,
+        )
 
     def observe(self, endpoint: str, arm: str, status: int, seconds: float | None) -> None:
         self.requests.labels(endpoint, arm, str(status)).inc()

@@ -67,6 +67,8 @@ class ServeOptions:
     engine_args: tuple[str, ...] = ()  # any other `vllm serve` engine flag (vllm_engine_args)
     presets: tuple[str, ...] = ()  # NAME=SPEC (presets.py)
     ab_preset: str | None = None
+    ab_store: str | None = None  # sqlite:///PATH or postgresql://... (server/ab_store)
+    ab_store_spill: str | None = None
 
 
 #: Engine fields steerserve sets from its own options or needs for steering: refused as
@@ -143,8 +145,10 @@ def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
         raise OptionError(f"no preset {ab_preset!r} (presets: {sorted(names)})", "--ab-preset")
 
 
-def check_experiment(split: float, name: str, log: str | None) -> None:
-    """Refuse a bad split or an unwritable log before the engine starts, naming the option."""
+def check_experiment(split: float, name: str, log: str | None, store: str | None = None) -> None:
+    """Refuse a bad split, an unwritable log or an unusable experiment store (a bad URL, an
+    unreachable host, a newer schema: the store is opened and migrated) before the engine
+    starts, naming the option."""
     from steerserve.server.experiment import DecisionLog, Experiment
 
     try:
@@ -153,6 +157,13 @@ def check_experiment(split: float, name: str, log: str | None) -> None:
     except ValueError as e:
         option = str(e).split(":", 1)[0]
         raise OptionError(str(e).split(": ", 1)[-1], option) from None
+    if store:
+        from steerserve.server.ab_store import open_store
+
+        try:
+            open_store(store).close()
+        except ValueError as e:
+            raise OptionError(str(e), "--ab-store") from None
 
 
 def check_seqs_per_request(cap: int | None, max_num_seqs: int) -> None:
@@ -182,7 +193,7 @@ def settings(opts: ServeOptions) -> ServerSettings:
 
     if opts.steering not in MODES:
         raise OptionError(f"--steering must be off, on or auto, not {opts.steering!r}", None)
-    check_experiment(opts.ab_split, opts.ab_name, opts.ab_log)
+    check_experiment(opts.ab_split, opts.ab_name, opts.ab_log, opts.ab_store)
     check_seqs_per_request(opts.max_seqs_per_request, opts.max_num_seqs)
     if not 0 <= opts.ops_per_layer <= DEFAULT_ROWS_PER_REQUEST:  # a request holds no more
         raise OptionError(
@@ -221,6 +232,8 @@ def settings(opts: ServeOptions) -> ServerSettings:
         ab_name=opts.ab_name,
         ab_log=opts.ab_log,
         ab_log_content=opts.ab_log_content,
+        ab_store=opts.ab_store or None,
+        ab_store_spill=opts.ab_store_spill or None,
         tool_call_parser=opts.tool_call_parser,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         chat_template=opts.chat_template,

@@ -20,10 +20,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from steerserve import ab_report
+from steerserve.server.ab_store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
-from steerserve.server.experiment import STEERED
+from steerserve.server.experiment import STEERED, StoreUnavailable
 
 if TYPE_CHECKING:
+    from steerserve.server.ab_store import Store
+    from steerserve.server.ab_store.writer import Writer
     from steerserve.server.state import ServerState
 
 PAGES = {"/compare": "compare.html", "/experiments": "experiments.html"}
@@ -85,7 +88,7 @@ REPORT = {
         "content": {media.split(";")[0]: {} for media in ab_report.FORMATS.values()},
     },
     404: {"model": ErrorResponse, "description": "fmt is not one of md, json, png"},
-    409: {"model": ErrorResponse, "description": "the server keeps no decision log"},
+    409: {"model": ErrorResponse, "description": "the server keeps no decision log or store"},
     **REFUSED,
 }
 
@@ -97,8 +100,9 @@ def experiments_router() -> APIRouter:
 
     @r.get("/experiments", response_model=None, responses=REFUSED)
     async def experiments(request: Request, min_scored: int = MIN_SCORED) -> dict[str, Any]:
-        """The A/B experiment: its settings, the report of its decision log, requests by arm
-        and status since this process started, and (with --ab-log-content) recent replies."""
+        """The A/B experiment: its settings, the report of its experiment store (every
+        replica's records) or decision log, requests by arm and status since this process
+        started, and (with --ab-log-content) recent replies."""
         return await asyncio.to_thread(snapshot, _state(request), min_scored)
 
     @r.get("/experiments/report.{fmt}", response_model=None, responses=REPORT)
@@ -106,14 +110,24 @@ def experiments_router() -> APIRouter:
         """``steerserve ab-report --out``'s report.md, report.json or report.png, now."""
         if fmt not in ab_report.FORMATS:
             raise ApiError(f"format: one of {', '.join(ab_report.FORMATS)}", status=404)
-        path = _log_path(_state(request))
-        if path is None:
+        state = _state(request)
+        source = _source(state)
+        if source is None:
             raise ApiError(
-                "no decision log: start the server with --ab-log (STEERSERVE_AB_LOG)",
+                "no decision log: start the server with --ab-store (STEERSERVE_AB_STORE) or "
+                "--ab-log (STEERSERVE_AB_LOG)",
                 status=409,
                 code="no_decision_log",
             )
-        rep = await asyncio.to_thread(_report, path, min_scored, _split(_state(request)))
+        try:
+            rep = await asyncio.to_thread(_report, source, min_scored, _split(state))
+        except (StoreUnavailable, StoreError) as e:
+            raise ApiError(
+                f"the experiment store cannot be read now: {e}",
+                status=503,
+                type="service_unavailable",
+                code="experiment_store_unavailable",
+            ) from None
         body = await asyncio.to_thread(ab_report.render, rep, fmt)
         headers = {"content-disposition": f'attachment; filename="report.{fmt}"'}
         return Response(body, media_type=ab_report.FORMATS[fmt], headers=headers)
@@ -131,29 +145,58 @@ def _log_path(state: ServerState) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
+def _source(state: ServerState) -> Path | Store | None:
+    """What the report reads: the experiment store (every replica's records) when the server
+    has one, else its own decision log."""
+    writer = state.decisions.store
+    return writer.store if writer is not None else _log_path(state)
+
+
 def _split(state: ServerState) -> tuple[str, float] | None:
     """The running experiment's (name, split), for the report's sample-ratio check."""
     exp = state.experiment
     return None if exp is None else (exp.name, exp.split)
 
 
-def _report(path: Path, min_scored: int, split: tuple[str, float] | None) -> dict[str, Any]:
-    """The report of the log as it is now (recomputed only when the file changed)."""
-    st = path.stat()
-    return _report_of(str(path), st.st_size, st.st_mtime_ns, min_scored, split)
+def _report(
+    source: Path | Store, min_scored: int, split: tuple[str, float] | None
+) -> dict[str, Any]:
+    """The report of the log or the store as it is now (recomputed only when the file, or the
+    store's counts, changed)."""
+    if isinstance(source, Path):
+        st = source.stat()
+        return _report_of(str(source), (st.st_size, st.st_mtime_ns), min_scored, split)
+    return _store_report(source, source.stamp(), min_scored, split)
 
 
 @functools.lru_cache(maxsize=4)
 def _report_of(
-    path: str, size: int, mtime_ns: int, min_scored: int, split: tuple[str, float] | None
+    path: str, stamp: tuple[int, int], min_scored: int, split: tuple[str, float] | None
 ) -> dict[str, Any]:
     return ab_report.report(path, min_n=min_scored, splits=dict([split]) if split else None)
 
 
+@functools.lru_cache(maxsize=4)
+def _store_report(
+    store: Store, stamp: tuple[int, int, int], min_scored: int, split: tuple[str, float] | None
+) -> dict[str, Any]:
+    return ab_report.report(store, min_n=min_scored, splits=dict([split]) if split else None)
+
+
 def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict[str, Any]:
     """What ``/experiments`` shows."""
-    exp, log = state.experiment, state.decisions.log
+    exp, log, writer = state.experiment, state.decisions.log, state.decisions.store
     path = _log_path(state)
+    source = _source(state)
+    rep, unread = None, None
+    try:
+        rep = None if source is None else _report(source, min_scored, _split(state))
+        if writer is None:
+            recent_rows = recent(path) if path is not None and log.content else []
+        else:
+            recent_rows = writer.store.recent(RECENT) if log.content else []
+    except (StoreUnavailable, StoreError) as e:  # the page says so and tries again
+        unread, recent_rows = str(e), []
     return {
         "object": "steering.experiments",
         "experiment": None
@@ -164,9 +207,21 @@ def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict
             "steered_arm": type(exp.steering(STEERED, state.settings.steering)).__name__.lower(),
         },
         "log": {"enabled": log.enabled, "content": log.content, "write_failures": log.failures},
+        "store": None if writer is None else store_state(writer) | {"read_error": unread},
         "served": served(state),
-        "report": None if path is None else _report(path, min_scored, _split(state)),
-        "recent": recent(path) if path is not None and log.content else [],
+        "report": rep,
+        "recent": recent_rows,
+    }
+
+
+def store_state(writer: Writer) -> dict[str, Any]:
+    """This process's side of the experiment store: reachable, written, queued, dropped."""
+    return {
+        "url": writer.store.shown,
+        "up": writer.up,
+        "written": writer.written,
+        "queued": writer.queued,
+        "dropped": writer.dropped,
     }
 
 

@@ -38,6 +38,7 @@ from steerserve.server.experiment import (
     Experiment,
     FeedbackLimit,
     LogUnwritable,
+    StoreUnavailable,
 )
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
@@ -72,6 +73,8 @@ class ServerSettings:
     ab_name: str = "default"  # part of the assignment hash: a new name reshuffles
     ab_log: str | None = None  # the JSONL decision log (feedback needs it)
     ab_log_content: bool = False  # prompts and replies in the log (they may be personal data)
+    ab_store: str | None = None  # the experiment store every replica shares (ab_store/)
+    ab_store_spill: str | None = None  # its queue kept here at shutdown (None: ab_store's default)
     # vLLM's names (hosted.build): "auto" picks the model's parser; None for auto-tool-choice:
     # on whenever a parser is in use
     tool_call_parser: str | None = "auto"
@@ -102,7 +105,12 @@ class ServerState:
         log = DecisionLog(
             settings.ab_log, settings.ab_log_content, self.metrics.ab_log_failures.inc
         )
-        self.decisions = Decisions(log)
+        store = None
+        if settings.ab_store:
+            from steerserve.server.ab_store import open_writer
+
+            store = open_writer(settings.ab_store, settings.ab_store_spill, self.metrics)
+        self.decisions = Decisions(log, store)
         cfg = settings.engine
         self.seats = Seats(
             cfg.max_num_seqs, seqs_per_request(cfg.max_num_seqs, settings.max_seqs_per_request)
@@ -198,11 +206,13 @@ class ServerState:
             )
             if (exp := self.experiment) is not None:
                 logger.info(
-                    "A/B experiment %r: %.0f%% of subjects steered (steering %s), decision log %s",
+                    "A/B experiment %r: %.0f%% of subjects steered (steering %s), decision log "
+                    "%s, store %s",
                     exp.name,
                     exp.split * 100,
                     type(exp.steering(STEERED, self.settings.steering)).__name__,
                     self.settings.ab_log,
+                    store.store.shown if (store := self.decisions.store) is not None else None,
                 )
         except asyncio.CancelledError:
             raise
@@ -258,9 +268,10 @@ class ServerState:
     def feedback(self, rid: str, score: float) -> dict[str, Any]:
         """``POST /v1/steering/feedback``: a score appended to the decision log, joined to the
         arm of the answer ``rid`` (an enrolled request this server, or one before it, answered)."""
-        if not self.decisions.log.enabled:
+        if not self.decisions.enabled:
             raise ApiError(
-                "feedback needs a decision log: start the server with --ab-log (STEERSERVE_AB_LOG)",
+                "feedback needs a decision log or an experiment store: start the server with "
+                "--ab-store (STEERSERVE_AB_STORE) or --ab-log (STEERSERVE_AB_LOG)",
                 status=409,
                 code="no_decision_log",
             )
@@ -298,6 +309,14 @@ class ServerState:
                 status=503,
                 type="service_unavailable",
                 code="decision_log_unwritable",
+            ) from None
+        except StoreUnavailable:
+            raise ApiError(
+                "the experiment store is unreachable and this server did not give the answer "
+                f"{rid!r}: the score was not recorded; retry",
+                status=503,
+                type="service_unavailable",
+                code="experiment_store_unavailable",
             ) from None
         return {"object": "steering.feedback", "id": rid, "score": score, **known}
 

@@ -35,9 +35,18 @@
         class: "muted",
         text: snap.log.enabled
           ? `Decision log on; replies ${snap.log.content ? "logged and shown below (--ab-log-content)" : "not logged"}; ${snap.log.write_failures} failed writes.`
-          : "No decision log (--ab-log): no scores, no report.",
+          : snap.store ? "No JSONL export (--ab-log)." : "No decision log (--ab-log) or store (--ab-store): no scores, no report.",
       }),
     ];
+    const st = snap.store;
+    if (st) {
+      lines.push(el("p", {
+        class: st.up && !st.read_error && !st.dropped ? "muted store" : "store warn",
+        text: `Experiment store ${st.url} (every replica's records): ${st.up ? "reachable" : "UNREACHABLE, records queue here"}; ` +
+          `this process wrote ${st.written}, ${st.queued} queued, ${st.dropped} dropped.` +
+          (st.read_error ? ` Cannot read it now: ${st.read_error}` : ""),
+      }));
+    }
     for (const [name, arms] of Object.entries(snap.served || {})) {
       const rows = Object.entries(arms).map(([arm, by]) => {
         const ok = by["200"] || 0;

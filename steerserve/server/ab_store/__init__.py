@@ -1,0 +1,106 @@
+"""The A/B experiment store (``serve --ab-store URL``): one place every replica writes its
+decisions and feedback to and every report reads (``ab-report URL``, ``/experiments``), so
+feedback for an answer is joined whichever replica gets it, and the per-answer feedback cap
+holds across replicas.
+
+Two backends behind one interface (:class:`~steerserve.server.ab_store.base.Store`):
+``sqlite:///PATH`` (one file, WAL mode: several processes on one host; ``sqlite:////abs/path``)
+and ``postgresql://USER@HOST:PORT/DB`` (replicas on many hosts). Writes go through
+:class:`~steerserve.server.ab_store.writer.Writer`, off the request path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from steerserve.server.ab_store.base import Store, StoreError
+from steerserve.server.experiment import StoreUnavailable
+
+if TYPE_CHECKING:
+    from steerserve.server.ab_store.writer import Writer
+    from steerserve.server.metrics import Metrics
+
+__all__ = ["Store", "StoreError", "StoreUnavailable", "is_store_url", "open_store", "open_writer"]
+
+SCHEMES = ("sqlite", "postgresql", "postgres")
+FORMS = "sqlite:///PATH (sqlite:////an/absolute/path) or postgresql://USER@HOST:PORT/DB"
+
+
+def is_store_url(text: str | Path) -> bool:
+    """Whether ``text`` names a store (a URL) rather than a JSONL log file."""
+    return isinstance(text, str) and "://" in text
+
+
+def shown(url: str) -> str:
+    """``url`` as it may be logged or shown: any password masked."""
+    parts = urlsplit(url)
+    if parts.password is None and "password" not in parts.query:
+        return url  # nothing to mask (and a sqlite:////path keeps its slashes)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = urlencode(
+        [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)], safe="*/:"
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def open_store(url: str, migrate: bool = True) -> Store:
+    """The store ``url`` names, reachable and (``migrate``) with this steerserve's schema, or
+    ValueError saying why in one line (a bad scheme, an unreachable host, a newer schema)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    safe = shown(url) if scheme in SCHEMES else repr(url)
+    if scheme not in SCHEMES:
+        raise ValueError(f"{safe} is not a store URL this server knows: use {FORMS}")
+    try:
+        store = _backend(url, scheme)
+    except StoreError as e:
+        raise ValueError(str(e)) from None
+    try:
+        if migrate:
+            store.migrate()
+        elif store.version() == 0:
+            raise StoreError(f"{store.shown}: no experiment store there (no steerserve schema)")
+    except (StoreError, StoreUnavailable) as e:
+        store.close()
+        raise ValueError(f"cannot use the experiment store {e}") from None
+    return store
+
+
+def _backend(url: str, scheme: str) -> Store:
+    if scheme == "sqlite":
+        from steerserve.server.ab_store.sqlite import SQLiteStore
+
+        rest = url.split("://", 1)[1]
+        if not rest.startswith("/") or rest in ("/", "/:memory:"):
+            raise StoreError(f"{url!r}: a SQLite store is a file: {FORMS}")
+        return SQLiteStore(url, Path(rest[1:]))
+    from steerserve.server.ab_store.postgres import PostgresStore
+
+    return PostgresStore(url, shown(url))
+
+
+def default_spill(store: Store) -> Path:
+    """Where queued records are kept at shutdown when no folder is given: beside a SQLite file,
+    else this user's state folder (``$XDG_STATE_HOME`` or ``~/.local/state``)."""
+    import os
+
+    path = getattr(store, "path", None)
+    if path is not None:
+        return Path(f"{path}-spill")
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "steerserve" / "ab-spill"
+
+
+def open_writer(url: str, spill: str | None, metrics: Metrics | None = None) -> Writer:
+    """The server's store: opened and migrated, its writer thread started (its spill files
+    from the last stop queued first). ValueError naming ``--ab-store`` when it cannot be used."""
+    from steerserve.server.ab_store.writer import Writer
+
+    try:
+        store = open_store(url)
+    except ValueError as e:
+        raise ValueError(f"--ab-store: {e}") from None
+    return Writer(store, Path(spill) if spill else default_spill(store), metrics)

@@ -1,0 +1,457 @@
+"""The experiment store's SQL, shared by both backends: the schema and its migrations, decisions
+and feedback as rows, the per-id feedback cap checked inside the database, and the reads a
+report needs. A backend (``sqlite.py``, ``postgres.py``) only connects, opens a transaction and
+says which of its errors mean "unreachable, try again".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from steerserve.server.experiment import FeedbackLimit, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+DECISIONS = "steerserve_ab_decisions"
+FEEDBACK = "steerserve_ab_feedback"
+REPLICAS = "steerserve_ab_replicas"
+VERSIONS = "steerserve_schema"
+COMPONENT = "ab_store"
+#: Connections kept open for reuse (request threads and the writer take one each).
+POOL = 4
+#: A decision's fields kept as columns (``vectors``, ``prompt`` and ``reply`` as JSON text); any
+#: other field (a later server's) goes to ``extra`` as JSON, so nothing a decision says is lost.
+COLUMNS = (
+    "ts",
+    "experiment",
+    "arm",
+    "subject_hash",
+    "endpoint",
+    "model",
+    "language",
+    "applied",
+    "preset",
+    "vectors",
+    "latency_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "prompt",
+    "reply",
+)
+JSON_COLUMNS = ("vectors", "prompt", "reply")
+NUMBERS = {"ts": float, "latency_ms": float, "prompt_tokens": int, "completion_tokens": int}
+
+#: The schema, one list of statements per version, applied in order by :meth:`Store.migrate`
+#: (``{serial}``: the backend's auto-increment key). Never edit a released version: add one.
+MIGRATIONS: list[list[str]] = [
+    [
+        f"""CREATE TABLE {DECISIONS} (
+            id TEXT PRIMARY KEY,
+            ts DOUBLE PRECISION NOT NULL,
+            experiment TEXT, arm TEXT, subject_hash TEXT, endpoint TEXT, model TEXT,
+            language TEXT, applied BOOLEAN, preset TEXT, vectors TEXT,
+            latency_ms DOUBLE PRECISION, prompt_tokens BIGINT, completion_tokens BIGINT,
+            prompt TEXT, reply TEXT, extra TEXT, replica TEXT,
+            feedback_count INTEGER NOT NULL DEFAULT 0)""",
+        f"CREATE INDEX {DECISIONS}_ts ON {DECISIONS} (ts)",
+        f"""CREATE TABLE {FEEDBACK} (
+            seq {{serial}} PRIMARY KEY,
+            fid TEXT NOT NULL UNIQUE,
+            id TEXT NOT NULL REFERENCES {DECISIONS} (id),
+            ts DOUBLE PRECISION NOT NULL,
+            score DOUBLE PRECISION NOT NULL,
+            replica TEXT)""",
+        f"CREATE INDEX {FEEDBACK}_id ON {FEEDBACK} (id, seq)",
+        f"""CREATE TABLE {REPLICAS} (
+            replica TEXT PRIMARY KEY,
+            started DOUBLE PRECISION, seen DOUBLE PRECISION,
+            written BIGINT NOT NULL DEFAULT 0, queued BIGINT NOT NULL DEFAULT 0,
+            dropped BIGINT NOT NULL DEFAULT 0)""",
+    ],
+]
+
+
+class StoreError(Exception):
+    """The store refused a statement for a reason a retry will not mend (a bad value, a schema
+    from a newer steerserve, a wrong URL)."""
+
+
+class Store:
+    """One experiment store (a backend subclasses it). Thread-safe: each call takes a pooled
+    connection; one that failed is closed, never reused."""
+
+    scheme = ""
+    serial = ""  # the auto-increment key type of the backend's SQL
+
+    def __init__(self, url: str, shown: str) -> None:
+        self.url = url  # may hold a password: never logged, never in a message
+        self.shown = shown  # the URL as it may be shown (password masked)
+        self._idle: list[Any] = []
+        self._lock = threading.Lock()
+
+    # --- what a backend provides --------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _begin(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _lock_schema(self, cur: Any) -> None:
+        """Serialise migrations of several replicas starting at once (inside the transaction)."""
+
+    def _transient(self, e: BaseException) -> bool:
+        """Whether ``e`` means the database is unreachable or busy (a retry may succeed)."""
+        raise NotImplementedError
+
+    def _is_db_error(self, e: BaseException) -> bool:
+        raise NotImplementedError
+
+    def _sql(self, sql: str) -> str:
+        return sql
+
+    # --- connections and transactions ---------------------------------------------------------
+
+    def _acquire(self) -> Any:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _release(self, conn: Any, ok: bool) -> None:
+        if ok:
+            with self._lock:
+                if len(self._idle) < POOL:
+                    self._idle.append(conn)
+                    return
+        _close(conn)
+
+    def _drop_idle(self) -> None:
+        """After a connection failed, the idle ones are likely dead too (a restarted server)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            _close(conn)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """A cursor inside one transaction: committed when the block ends, rolled back when it
+        raises. A database error becomes :class:`StoreUnavailable` (transient) or
+        :class:`StoreError`; the experiment's own exceptions pass through."""
+        conn = self._acquire()
+        ok = False
+        try:
+            cur = conn.cursor()
+            self._begin(conn)
+            try:
+                yield _Cursor(cur, self._sql)
+            except BaseException:
+                _rollback(conn)
+                raise
+            conn.commit()
+            ok = True
+        except (KeyError, FeedbackLimit):
+            ok = True  # refused, not broken: the connection is fine
+            raise
+        except Exception as e:
+            if not self._is_db_error(e):
+                raise
+            if self._transient(e):
+                self._drop_idle()
+                raise StoreUnavailable(f"{self.shown}: {self._scrub(e)}") from None
+            raise StoreError(f"{self.shown}: {self._scrub(e)}") from None
+        finally:
+            self._release(conn, ok)
+
+    def _scrub(self, e: BaseException) -> str:
+        """An error's text, first line, with any password of the URL masked."""
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        from urllib.parse import urlsplit
+
+        secret = urlsplit(self.url).password
+        return text.replace(secret, "***") if secret else text
+
+    def close(self) -> None:
+        self._drop_idle()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- schema -------------------------------------------------------------------------------
+
+    def migrate(self) -> tuple[int, int]:
+        """Bring the schema to this steerserve's version (several replicas may start at once:
+        one migrates, the others find it done); (version found, version now). A schema newer
+        than this steerserve knows is refused (an older server must not write to it)."""
+        with self._tx() as cur:
+            self._lock_schema(cur)
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {VERSIONS} "
+                "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+            )
+            found = self._version(cur)
+            if found > len(MIGRATIONS):
+                raise StoreError(
+                    f"{self.shown}: its schema is version {found}, newer than this steerserve's "
+                    f"{len(MIGRATIONS)}: upgrade steerserve"
+                )
+            for version in range(found + 1, len(MIGRATIONS) + 1):
+                for stmt in MIGRATIONS[version - 1]:
+                    cur.execute(stmt.format(serial=self.serial))
+                logger.info("experiment store %s: schema version %d", self.shown, version)
+            cur.execute(
+                f"INSERT INTO {VERSIONS} (component, version) VALUES (?, ?) ON CONFLICT "
+                f"(component) DO UPDATE SET version = excluded.version",
+                (COMPONENT, len(MIGRATIONS)),
+            )
+        return found, len(MIGRATIONS)
+
+    def version(self) -> int:
+        """The schema's version (0: no steerserve store here yet)."""
+        with self._tx() as cur:
+            if not self._has_table(cur, VERSIONS):
+                return 0
+            return self._version(cur)
+
+    def _has_table(self, cur: _Cursor, name: str) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _version(cur: _Cursor) -> int:
+        cur.execute(f"SELECT version FROM {VERSIONS} WHERE component = ?", (COMPONENT,))
+        row = cur.fetchone()
+        return 0 if row is None else int(row[0])
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def write(
+        self, records: Sequence[dict[str, Any]], replica: Replica, cap: int
+    ) -> list[dict[str, Any]]:
+        """Decisions and feedback in one transaction, in order; a record written before (a
+        retry after a lost answer, a replayed spill) is not written twice. Feedback over the cap
+        or for an unknown id is refused: those records are returned (and counted as dropped in
+        the replica's row, written in the same transaction)."""
+        refused = []
+        with self._tx() as cur:
+            for rec in records:
+                if rec.get("type") == "feedback":
+                    try:
+                        self._feedback(cur, rec, cap, replica.name)
+                    except (KeyError, FeedbackLimit):
+                        refused.append(rec)
+                else:
+                    self._decision(cur, rec, replica.name)
+            replica.report(cur, len(records) - len(refused), replica.drops + len(refused))
+        return refused
+
+    def feedback(self, rec: dict[str, Any], replica: Replica, cap: int) -> dict[str, Any]:
+        """One score, now: the decision's (experiment, arm, language). ``KeyError``: no such
+        decision in the store; :class:`FeedbackLimit`: ``cap`` scores already, from any replica
+        (the decision's row is locked while counting, so two replicas cannot both pass)."""
+        with self._tx() as cur:
+            known = self._feedback(cur, rec, cap, replica.name)
+            replica.report(cur, 1, 0)
+        return known
+
+    def _decision(self, cur: _Cursor, rec: dict[str, Any], replica: str) -> None:
+        values = [_column(k, rec.get(k)) for k in COLUMNS]
+        extra = {k: v for k, v in rec.items() if k not in COLUMNS and k not in ("type", "id")}
+        cols = ", ".join(COLUMNS)
+        marks = ", ".join("?" * (len(COLUMNS) + 3))
+        cur.execute(
+            f"INSERT INTO {DECISIONS} (id, {cols}, extra, replica) VALUES ({marks}) "
+            "ON CONFLICT (id) DO NOTHING",
+            (str(rec["id"]), *values, _json(extra) if extra else None, replica),
+        )
+
+    def _feedback(
+        self, cur: _Cursor, rec: dict[str, Any], cap: int, replica: str
+    ) -> dict[str, Any]:
+        rid = str(rec["id"])
+        cur.execute(f"SELECT 1 FROM {FEEDBACK} WHERE fid = ?", (rec["fid"],))
+        if cur.fetchone() is not None:  # this very score is in already (a retried write)
+            cur.execute(f"SELECT experiment, arm, language FROM {DECISIONS} WHERE id = ?", (rid,))
+            return _known(cur.fetchone())
+        cur.execute(
+            f"UPDATE {DECISIONS} SET feedback_count = feedback_count + 1 "
+            "WHERE id = ? AND feedback_count < ? RETURNING experiment, arm, language",
+            (rid, cap),
+        )
+        row = cur.fetchone()
+        if row is None:
+            cur.execute(f"SELECT 1 FROM {DECISIONS} WHERE id = ?", (rid,))
+            raise KeyError(rid) if cur.fetchone() is None else FeedbackLimit(rid)
+        cur.execute(
+            f"INSERT INTO {FEEDBACK} (fid, id, ts, score, replica) VALUES (?, ?, ?, ?, ?)",
+            (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica),
+        )
+        return _known(row)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every decision, then every feedback in the order the store took them: the records a
+        JSONL decision log of all the replicas would hold (``ab_report`` joins them)."""
+        with self._tx() as cur:
+            cur.execute(f"SELECT id, {', '.join(COLUMNS)}, extra FROM {DECISIONS} ORDER BY ts, id")
+            decisions = cur.fetchall()
+            cur.execute(f"SELECT id, ts, score FROM {FEEDBACK} ORDER BY seq")
+            feedback = cur.fetchall()
+        for row in decisions:
+            yield _record(row)
+        for rid, ts, score in feedback:
+            yield {"type": "feedback", "ts": ts, "id": rid, "score": score}
+
+    def recent(self, n: int) -> list[dict[str, Any]]:
+        """The latest ``n`` decisions that kept their reply (--ab-log-content), newest first,
+        each with its last score."""
+        with self._tx() as cur:
+            cur.execute(
+                f"SELECT d.id, d.ts, d.experiment, d.arm, d.language, d.prompt, d.reply, "
+                f"(SELECT f.score FROM {FEEDBACK} f WHERE f.id = d.id ORDER BY f.seq DESC "
+                f"LIMIT 1) FROM {DECISIONS} d WHERE d.reply IS NOT NULL "
+                "ORDER BY d.ts DESC LIMIT ?",
+                (n,),
+            )
+            rows = cur.fetchall()
+        keys = ("id", "ts", "experiment", "arm", "language", "prompt", "reply", "score")
+        out = [dict(zip(keys, row, strict=True)) for row in rows]
+        for r in out:
+            r["prompt"], r["reply"] = _unjson(r["prompt"]), _unjson(r["reply"])
+        return out
+
+    def stamp(self) -> tuple[int, int, int]:
+        """Changes whenever a record or a replica's drop count does: a report cache's key."""
+        with self._tx() as cur:
+            cur.execute(
+                f"SELECT (SELECT count(*) FROM {DECISIONS}), "
+                f"(SELECT coalesce(max(seq), 0) FROM {FEEDBACK}), "
+                f"(SELECT coalesce(sum(dropped), 0) FROM {REPLICAS})"
+            )
+            a, b, c = cur.fetchone()
+        return int(a), int(b), int(c)
+
+    def status(self) -> dict[str, Any]:
+        """What the replicas said of themselves at their last write: records written, records
+        queued then, records dropped (never in the store)."""
+        with self._tx() as cur:
+            cur.execute(f"SELECT replica, seen, written, queued, dropped FROM {REPLICAS}")
+            rows = cur.fetchall()
+        keys = ("replica", "seen", "written", "queued", "dropped")
+        replicas = [dict(zip(keys, row, strict=True)) for row in rows]
+        return {
+            "url": self.shown,
+            "replicas": len(replicas),
+            "written": sum(int(r["written"]) for r in replicas),
+            "queued": sum(int(r["queued"]) for r in replicas),
+            "dropped": sum(int(r["dropped"]) for r in replicas),
+        }
+
+
+class Replica:
+    """This process as the store knows it: its row in the replicas table, updated in the
+    transaction of each write (``queued``: records still waiting here after it; ``drops``:
+    records dropped here and not yet counted in the row: the writer thread's, cleared by it
+    once a write carrying them succeeded)."""
+
+    def __init__(self, name: str, started: float) -> None:
+        self.name = name
+        self.started = started
+        self.queued = 0
+        self.drops = 0
+
+    def report(self, cur: _Cursor, written: int, dropped: int) -> None:
+        """Add ``written`` and ``dropped`` to this replica's row (inside the write's transaction)."""
+        import time
+
+        cur.execute(
+            f"INSERT INTO {REPLICAS} (replica, started, seen, written, queued, dropped) "
+            f"VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (replica) DO UPDATE SET "
+            f"seen = excluded.seen, written = {REPLICAS}.written + excluded.written, "
+            f"queued = excluded.queued, dropped = {REPLICAS}.dropped + excluded.dropped",
+            (self.name, self.started, time.time(), written, self.queued, dropped),
+        )
+
+
+class _Cursor:
+    """A DB-API cursor taking ``?`` placeholders whatever the driver's style."""
+
+    def __init__(self, cur: Any, sql: Any) -> None:
+        self._cur, self._sql = cur, sql
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> None:
+        self._cur.execute(self._sql(sql), tuple(params))
+
+    def fetchone(self) -> Any:
+        return self._cur.fetchone()
+
+    def fetchall(self) -> list[Any]:
+        return list(self._cur.fetchall())
+
+
+def _rollback(conn: Any) -> None:
+    """Roll back; a connection too broken for that is closed by the caller anyway."""
+    try:
+        conn.rollback()
+    except Exception:
+        pass
+
+
+def _close(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:  # a dead connection: nothing to release
+        pass
+
+
+def _known(row: Any) -> dict[str, Any]:
+    return {"experiment": row[0], "arm": row[1], "language": row[2]}
+
+
+def _text(v: Any) -> str:
+    """A string any database takes: lone surrogates and NUL as escapes (as the JSONL log)."""
+    return v.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\u0000")
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, ensure_ascii=True, separators=(",", ":"))
+
+
+def _unjson(v: str | None) -> Any:
+    return None if v is None else json.loads(v)
+
+
+def _column(name: str, v: Any) -> Any:
+    """A decision field as its column's value (a wrong type: NULL, the report skips it)."""
+    if v is None:
+        return None
+    if name in JSON_COLUMNS:
+        return _json(v)
+    if name == "applied":
+        return v if isinstance(v, bool) else None
+    if name in NUMBERS:
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        return NUMBERS[name](v) if ok else None
+    return _text(v) if isinstance(v, str) else None
+
+
+def _record(row: Sequence[Any]) -> dict[str, Any]:
+    """A decision row as the decision line a JSONL log holds."""
+    rec: dict[str, Any] = {"type": "decision", "id": row[0]}
+    for name, v in zip(COLUMNS, row[1:-1], strict=True):
+        if v is None and name in ("preset", "prompt", "reply"):
+            continue  # absent in the log when absent here
+        if name == "applied" and v is not None:
+            v = bool(v)  # SQLite keeps a boolean as 0 or 1
+        rec[name] = _unjson(v) if name in JSON_COLUMNS else v
+    if row[-1]:
+        rec |= json.loads(row[-1])
+    return rec
