@@ -97,6 +97,31 @@ def test_admin_on_loopback_without_key_answers_loopback_host_names_only(server: 
             assert r.json()["default"] == "tiny/v1"
 
 
+def test_every_keyed_route_on_loopback_without_key_answers_loopback_host_names_only(
+    server: Server,
+) -> None:
+    """Generation, feedback and the listings too (issue 44): a rebound page could otherwise
+    enrol and score requests, poisoning the A/B result. /health, /ready and /metrics stay open."""
+    calls = {
+        "chat": ("POST", "/v1/chat/completions", chat_body("hi", user="u1")),
+        "completions": ("POST", "/v1/completions", {"model": "llama", "prompt": "a"}),
+        "feedback": ("POST", "/v1/steering/feedback", {"id": "chatcmpl-x", "score": 1}),
+        "models": ("GET", "/v1/models", None),
+        "vectors": ("GET", "/v1/steering/vectors", None),
+    }
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        for host in FOREIGN:
+            for what, (method, path, body) in calls.items():
+                r = c.request(method, path, json=body, headers={"Host": host})
+                assert r.status_code == 403, (host, what, r.text)
+                assert r.json()["error"]["code"] == "untrusted_host", (host, what)
+            for path in ("/health", "/ready", "/metrics"):
+                assert c.get(path, headers={"Host": host}).status_code == 200, (host, path)
+        local = {"Host": f"localhost:{server.port}"}
+        assert c.post("/v1/chat/completions", json=calls["chat"][2], headers=local).is_success
+        assert c.get("/v1/models", headers=local).is_success
+
+
 @pytest.mark.parametrize(
     "host,allowed",
     [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from steerserve.engine.spec import short_repr
 from steerserve.server.errors import ApiError
 
 ARTIFACT_REF = re.compile(
@@ -51,20 +52,36 @@ class AdminGate:
     def __init__(self, host: str, api_key: str | None, open_admin: bool) -> None:
         self.refusal = admin_refusal(host, api_key, open_admin)
         self.loopback_hosts_only = not api_key and not open_admin
+        # Every other keyed route (generation, feedback, the vectors listing): a server on
+        # loopback without a key is reachable only from this machine, where a rebound page is
+        # the one caller that names another host; a server beyond loopback without a key is
+        # open to its network on purpose, Host or not.
+        self.api_loopback_hosts_only = self.loopback_hosts_only and loopback(host)
 
     def check(self, host_header: str | None) -> None:
         """A 403 in OpenAI's format when this request may not use the admin endpoints."""
         if self.refusal:
             raise ApiError(self.refusal, status=403, code="admin_disabled")
-        if self.loopback_hosts_only and not loopback_name(host_header or ""):
-            raise ApiError(
-                f"the Host header names {host_header!r}: without an API key the admin "
-                "endpoints answer loopback names only (localhost, 127.0.0.1, [::1]), so that a "
-                "web page cannot reach them by DNS rebinding; set --api-key "
-                "(STEERSERVE_API_KEY) to use them under another name",
-                status=403,
-                code="untrusted_host",
-            )
+        if self.loopback_hosts_only:
+            _loopback_host(host_header, "the admin endpoints")
+
+    def check_api(self, host_header: str | None) -> None:
+        """The same Host rule for every route behind the API key (generation could otherwise be
+        sent, and A/B feedback scored, by any web page the operator opens)."""
+        if self.api_loopback_hosts_only:
+            _loopback_host(host_header, "this server")
+
+
+def _loopback_host(host_header: str | None, what: str) -> None:
+    if not loopback_name(host_header or ""):
+        raise ApiError(
+            f"the Host header names {short_repr(host_header)}: without an API key {what} "
+            "answers loopback names only (localhost, 127.0.0.1, [::1]), so that a web page "
+            "cannot reach it by DNS rebinding; set --api-key (STEERSERVE_API_KEY) to serve "
+            "other names",
+            status=403,
+            code="untrusted_host",
+        )
 
 
 def loopback_name(host_header: str) -> bool:
