@@ -649,25 +649,36 @@ def test_hpa_scales_on_queue_depth() -> None:
 
 def test_ab_rollout_splits_users_in_the_server() -> None:
     """One Deployment whose server splits users (the arm is a hash, the same on every replica),
-    each pod logging to its own file on a shared volume, feedback routed back to its pod."""
+    every pod writing to one PostgreSQL experiment store whose DSN comes from a Secret, so no
+    session affinity is needed; the store's queue is kept in the pod at a stop; a small
+    PostgreSQL StatefulSet is there to run it on."""
     (svc,) = named("Service", "ab-rollout.yaml").values()
     (dep,) = named("Deployment", "ab-rollout.yaml").values()
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    assert svc["spec"]["sessionAffinity"] == "ClientIP"
+    assert "sessionAffinity" not in svc["spec"]
     (c,) = serving(dep)
     assert env_value(c, "STEERSERVE_STEERING") == "off"
     assert 0 < float(env_value(c, "STEERSERVE_AB_SPLIT") or 0) < 1
     assert env_value(c, "STEERSERVE_AB_NAME")
-    names = [e["name"] for e in c["env"]]
-    assert names.index("POD_NAME") < names.index("STEERSERVE_AB_LOG")  # $(POD_NAME) expands
-    log = env_value(c, "STEERSERVE_AB_LOG") or ""
-    (mount,) = [m for m in c["volumeMounts"] if log.startswith(m["mountPath"] + "/")]
-    assert "$(POD_NAME)" in log and not mount.get("readOnly")
+    assert env_value(c, "STEERSERVE_AB_LOG") is None
+    (store,) = [e for e in c["env"] if e["name"] == "STEERSERVE_AB_STORE"]
+    ref = store["valueFrom"]["secretKeyRef"]
+    dsn = named("Secret", "ab-rollout.yaml")[ref["name"]]["stringData"][ref["key"]]
+    assert dsn.startswith("postgresql://") and "optional" not in ref
+    spill = env_value(c, "STEERSERVE_AB_STORE_SPILL") or ""
+    (mount,) = [m for m in c["volumeMounts"] if spill.startswith(m["mountPath"] + "/")]
     (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
-    claim = vol["persistentVolumeClaim"]["claimName"]
-    assert named("PersistentVolumeClaim", "ab-rollout.yaml")[claim]["spec"]["accessModes"] == [
-        "ReadWriteMany"
-    ]
+    assert "emptyDir" in vol and not mount.get("readOnly")
+    # the database the DSN names: ab-postgres.yaml's StatefulSet, behind its headless Service
+    (db,) = named("StatefulSet", "ab-postgres.yaml").values()
+    host = dsn.split("@", 1)[1].split(":")[0]
+    assert host == db["spec"]["serviceName"] in named("Service", "ab-postgres.yaml")
+    (pgc,) = containers(db)
+    assert (
+        pgc["image"].startswith("postgres:")
+        and env_value(pgc, "POSTGRES_DB") == dsn.rsplit("/")[-1]
+    )
+    assert db["spec"]["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
 # --- compose -----------------------------------------------------------------------------------
@@ -735,8 +746,12 @@ def test_compose_schema_check_is_strict() -> None:
 def test_compose_profiles() -> None:
     doc = interpolate(compose_doc(), {})
     services = doc["services"]
-    assert {p for s in services.values() for p in s["profiles"]} == {"gpu", "cpu"}
+    assert {p for s in services.values() for p in s["profiles"]} == {"gpu", "cpu", "postgres"}
+    db = services.pop("postgres")  # the optional experiment store (--profile postgres)
+    assert db["profiles"] == ["postgres"] and db["image"].startswith("postgres:")
+    assert "ports" not in db, "reached on the compose network only"
     for s in services.values():
+        assert "STEERSERVE_AB_STORE" in s["environment"]
         assert (DEPLOY / s["build"]["context"] / s["build"]["dockerfile"]).resolve() in {
             p.resolve() for p in DOCKERFILES.values()
         }
@@ -779,7 +794,13 @@ def test_readme_documents_every_variable() -> None:
     readme = (DEPLOY / "README.md").read_text()
     missing = {v for v in SERVE_ENV if f"`{v}`" not in readme}
     assert not missing, missing
-    for f in ("tensor-parallel.yaml", "multinode-ray.yaml", "ab-rollout.yaml", "compose.yaml"):
+    for f in (
+        "tensor-parallel.yaml",
+        "multinode-ray.yaml",
+        "ab-rollout.yaml",
+        "ab-postgres.yaml",
+        "compose.yaml",
+    ):
         assert f in readme
 
 
