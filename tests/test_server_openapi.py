@@ -84,13 +84,13 @@ def _schema(server: Server) -> Any:
                     "include-path-regex": GENERATION_PATHS,
                     "checks": {"positive_data_acceptance": {"enabled": False}},
                 },
-                # vLLM's /tokenize, as `vllm serve` has it: its nested message types are lax
-                # (a wrong type inside an assistant turn is rendered, not refused)
+                # /tokenize and /detokenize refuse every body the document refuses (a wrong
+                # `tool_calls` included, issue 44); like vLLM's they refuse more than it says
+                # (ids outside the vocabulary, an empty conversation, harmony messages)
                 {
                     "include-path-regex": TOKENIZE_PATHS,
                     "checks": {
                         "positive_data_acceptance": {"enabled": False},
-                        "negative_data_rejection": {"enabled": False},
                     },
                 },
             ],

@@ -140,21 +140,21 @@ def test_lm_eval_runs_steered_by_model_id(
 
 
 def test_bad_presets_refuse_to_start(tiny_llama: Path, root: Path) -> None:
-    """A SPEC that is not a steering value is refused with the options; one naming a missing
-    vector, or a name that collides, fails the start with the reason."""
+    """A SPEC that is not a steering value, or a NAME outside the preset-name rule (a whole
+    model id among them), is refused with the options; one naming a missing vector, or a name
+    that collides, fails the start with the reason."""
     import asyncio
 
     from steerserve.server.options import OptionError, ServeOptions, settings
     from steerserve.server.state import ServerState
 
-    for bad in ("nospec", "x={not json", 'x={"interventions": {}}'):
+    for bad in ("nospec", "x={not json", 'x={"interventions": {}}', f"{MODEL}:steering-on=on"):
         with pytest.raises(OptionError) as e:
             settings(ServeOptions(model=str(tiny_llama), presets=(bad,)))
         assert e.value.param == "--preset"
     for presets, why in (
         (('x={"interventions": {"nope": 1}}',), "nope"),
         (("steering-on=on",), "taken"),
-        ((f"{MODEL}:steering-on=on",), "taken"),  # the default preset's id
     ):
         state = ServerState(_settings(tiny_llama, root, presets=presets))
         try:

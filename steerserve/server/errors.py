@@ -9,9 +9,27 @@ from typing import Any
 
 from pydantic import BaseModel
 
+#: The most characters of an error's ``message`` and ``param``: both may quote what the client
+#: sent (a model id, a field or vector name), and no refusal may be as large as the request it
+#: refuses. Each quoting site cuts its value with ``short_repr`` where it can; this bounds every
+#: message whoever built it (vLLM's, passed through, included).
+MAX_MESSAGE = 1000
+MAX_PARAM = 200
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` whole up to ``limit`` characters, else its start and end around a note of how
+    much was left out (the start names the field, the end often says what to do instead)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head - 40  # the note's room
+    return f"{text[:head]}...[{len(text) - head - tail:,} characters]...{text[-tail:]}"
+
 
 class ApiError(Exception):
-    """An error to return in OpenAI's format; ``status`` < 500 means the caller's fault."""
+    """An error to return in OpenAI's format; ``status`` < 500 means the caller's fault.
+    ``message`` and ``param`` are cut to :data:`MAX_MESSAGE` and :data:`MAX_PARAM`."""
 
     def __init__(
         self,
@@ -22,10 +40,10 @@ class ApiError(Exception):
         code: str | None = None,
         type: str = "invalid_request_error",
     ) -> None:
-        super().__init__(message)
-        self.message = message
+        self.message = cut(message, MAX_MESSAGE)
+        super().__init__(self.message)
         self.status = status
-        self.param = param
+        self.param = None if param is None else cut(param, MAX_PARAM)
         self.code = code
         self.type = type
 
@@ -55,7 +73,7 @@ _TAG = re.compile(r"^([a-z-]+\[.*\]|str|int|float|bool|none|[A-Z][A-Za-z]*)$")
 UNKNOWN_STEERING_FIELD = "unknown field (use 'interventions' or 'entries')"
 
 
-def _param(loc: tuple[Any, ...], field_last: bool = False) -> str | None:
+def field_path(loc: tuple[Any, ...], field_last: bool = False) -> str | None:
     """The dotted field of a location, union tags left out; ``field_last``: its last part is a
     field name even when it looks like a tag (an unknown field ``Temperature``)."""
     out = ""
@@ -74,7 +92,7 @@ def api_error(err: Mapping[str, Any], prefix: tuple[Any, ...] = ()) -> ApiError:
     field = str((err.get("ctx") or {}).get("field", ""))
     # an unknown field's name is its location's last part, unless a validator named it
     unknown = err["type"] == "extra_forbidden" and not field
-    param = (_param(loc, unknown) or "") + field or None
+    param = (field_path(loc, unknown) or "") + field or None
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = (

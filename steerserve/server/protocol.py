@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
+from openai.types.chat import ChatCompletionMessageFunctionToolCallParam
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -23,6 +24,10 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from vllm.entrypoints.generate.base.protocol import (
+    _CACHE_SALT_FORBIDDEN_CHARS,
+    _MAX_CACHE_SALT_LENGTH,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as _VChat,
 )
@@ -37,9 +42,9 @@ from vllm.entrypoints.serve.tokenize.protocol import (
     TokenizeCompletionRequest as _VTokenizeCompletion,
 )
 
-from steerserve.engine.spec import reserved_key, short_repr
+from steerserve.engine.spec import reserved_key
 from steerserve.server.admin import ARTIFACT_REF
-from steerserve.server.errors import ApiError, ErrorResponse, api_error
+from steerserve.server.errors import ApiError, ErrorResponse, api_error, field_path
 from steerserve.server.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
 
@@ -95,6 +100,10 @@ REFUSED_FIELDS = {
     "web_search_options": "web search is not served",
     "request_id": "the server names each answer (its experiment ids must be unique): use the "
     "x-request-id header to correlate logs",
+    # vLLM refuses it unless `vllm serve --trust-request-chat-template` (a Jinja template is code
+    # run on the server), which steerserve never sets: left out of the document, with the reason
+    "chat_template": "a chat template sent with a request is not run (it is code run on the "
+    "server): the server renders with its own (serve --chat-template)",
 }
 
 #: Integer fields (see :func:`_integral`).
@@ -154,17 +163,8 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
             raise PydanticCustomError("extra_forbidden", "unrecognized", {"field": key})
     messages = data.get("messages")
     for i, m in enumerate(messages if isinstance(messages, list) else ()):
-        # vLLM's message union also takes openai-harmony messages (gpt-oss' own format, no
-        # role), which its renderer then fails on, and content of any iterable type
-        if isinstance(m, dict) and "role" not in m:
-            raise PydanticCustomError("missing", "Field required", {"field": f"messages[{i}].role"})
-        content = m.get("content") if isinstance(m, dict) else None
-        if content is not None and not isinstance(content, (str, list)):
-            raise PydanticCustomError(
-                "content",
-                "must be a string or an array of content parts",
-                {"field": f"messages[{i}].content"},
-            )
+        if isinstance(m, dict):
+            _check_message(i, m)
     bias = data.get("logit_bias")
     for key, value in bias.items() if isinstance(bias, dict) else ():
         if isinstance(value, int | float) and not -100 <= value <= 100:
@@ -185,7 +185,8 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
             "{message}",
             {
                 "message": "steering goes in the 'steering' field, where it is checked",
-                "field": f"vllm_xargs.{short_repr(ours)}",
+                # the key itself: param is a field path (ApiError bounds a long one)
+                "field": f"vllm_xargs.{ours}",
             },
         )
     if any(isinstance(data.get(k), float) for k in _INTEGRAL):
@@ -193,15 +194,71 @@ def _strict_fields(model: type[BaseModel], data: Any) -> Any:
     return data
 
 
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``#/$defs/`` references replaced by what they name (no cycles): a
+    schema our models publish inside their own, where pydantic's references would not hold."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if (ref := node.get("$ref", "")).startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+#: A message's ``tool_calls``, on any role: null or OpenAI's function tool calls (vLLM renders no
+#: other kind); checked and published from this one type. vLLM's message types check them only as
+#: an assistant turn is rendered (a wrong type there was a 400 naming no field) and not at all on
+#: other roles (a string was rendered).
+_TOOL_CALLS: TypeAdapter[Any] = TypeAdapter(list[ChatCompletionMessageFunctionToolCallParam] | None)
+_TOOL_CALLS_SCHEMA = _inlined(_TOOL_CALLS.json_schema())
+
+
+def _check_message(i: int, m: dict[str, Any]) -> None:
+    """What vLLM's message union leaves unchecked in message ``i``: it also takes openai-harmony
+    messages (gpt-oss' own format, no role), which its renderer then fails on, content of any
+    iterable type, and ``tool_calls`` of any type (:data:`_TOOL_CALLS`)."""
+    if "role" not in m:
+        raise PydanticCustomError("missing", "Field required", {"field": f"messages[{i}].role"})
+    content = m.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise PydanticCustomError(
+            "content",
+            "must be a string or an array of content parts",
+            {"field": f"messages[{i}].content"},
+        )
+    if "tool_calls" in m:
+        try:
+            _TOOL_CALLS.validate_python(m["tool_calls"], strict=True)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            where = field_path(("messages", i, "tool_calls", *err["loc"]))
+            raise PydanticCustomError(
+                "tool_calls", "{message}", {"message": err["msg"], "field": where}
+            ) from None
+
+
 def _publish_strict(schema: dict[str, Any]) -> None:
     """The published schema says what :func:`_strict_fields` enforces: no other top-level field
-    (the no-op ones listed), and the refused ones."""
+    (the no-op ones listed), not the refused ones, every message's ``tool_calls``, and vLLM's
+    bounds on ``cache_salt`` (its schema says 1,024 characters, its check refuses past 128)."""
     props = schema.setdefault("properties", {})
     for key in NO_OP_FIELDS:
         props.setdefault(key, {"description": "accepted; changes nothing in the answer"})
     for key in REFUSED_FIELDS:  # vLLM's request_id among them
         props.pop(key, None)
     schema["additionalProperties"] = False
+    if "messages" in props:
+        props["messages"]["items"]["properties"] = {"tool_calls": _TOOL_CALLS_SCHEMA}
+    for form in props.get("cache_salt", {}).get("anyOf", ()):
+        # vLLM's validate_cache_salt, as JSON Schema: its refusal is kept (it guards the cache
+        # backends' keys, and 128 characters hold far more than a 256-bit secret)
+        if form.get("type") == "string":
+            chars = "".join(f"\\u{ord(c):04x}" for c in sorted(_CACHE_SALT_FORBIDDEN_CHARS))
+            form.update(maxLength=_MAX_CACHE_SALT_LENGTH, pattern=f"^[^{chars}]*$")
 
 
 def _text(content: Any) -> str:
@@ -258,10 +315,39 @@ class ChatCompletionRequest(_VChat):
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
 
 
+def _non_empty(schema: dict[str, Any]) -> None:
+    """Every string and array form in ``schema`` published as non-empty (``minLength``,
+    ``minItems``), its items' too."""
+    for form in schema.get("anyOf", [schema]):
+        if form.get("type") == "string":
+            form["minLength"] = max(form.get("minLength", 0), 1)
+        elif form.get("type") == "array":
+            form["minItems"] = max(form.get("minItems", 0), 1)
+            _non_empty(form.get("items", {}))
+
+
+def _publish_completion(schema: dict[str, Any]) -> None:
+    """:func:`_publish_strict`, and ``prompt`` non-empty at every level (``_empty_prompt``)."""
+    _publish_strict(schema)
+    _non_empty(schema["properties"]["prompt"])
+
+
+def _empty_prompt(prompt: Any) -> str | None:
+    """The field of an empty prompt, at any level. ``""`` and ``[]`` were refused, ``[""]`` and
+    ``[[]]`` in a list served: an empty text is the BOS token alone on a model that has one and
+    an engine error on one that has none (Qwen's), so no empty form is served and the document
+    says so; a client wanting OpenAI's "start of a document" sends that token itself."""
+    if prompt == "" or prompt == []:
+        return "prompt"
+    if isinstance(prompt, list):
+        return next((f"prompt[{i}]" for i, p in enumerate(prompt) if p == "" or p == []), None)
+    return None
+
+
 class CompletionRequest(_VCompletion):
     """vLLM's completions request, strict, plus ``steering``."""
 
-    model_config = ConfigDict(strict=True, json_schema_extra=_publish_strict)
+    model_config = ConfigDict(strict=True, json_schema_extra=_publish_completion)
 
     model: str
     steering: Steering = Field(None, description=STEERING_DOC)
@@ -270,6 +356,8 @@ class CompletionRequest(_VCompletion):
     @classmethod
     def _strict(cls, data: Any) -> Any:
         data = _strict_fields(cls, data)
+        if isinstance(data, dict) and (field := _empty_prompt(data.get("prompt"))) is not None:
+            raise PydanticCustomError("empty", "must not be empty", {"field": field})
         if isinstance(data, dict) and data.get("max_tokens", 0) is None:
             data = {**data, "max_tokens": COMPLETION_MAX_TOKENS}
         return data
@@ -313,8 +401,15 @@ class TokenizeRequest(
     """``POST /v1/tokenize``: vLLM's (a prompt, or messages rendered by the chat template)."""
 
 
+#: vLLM's ``tokens`` (ids in the int64 range), with what the server adds: at least one.
+_TOKENS = _VDetokenize.model_fields["tokens"].annotation
+
+
 class DetokenizeRequest(_Strict, _VDetokenize):
     """``POST /v1/detokenize``: vLLM's (token ids)."""
+
+    # [] was a 400 (nothing to detokenize) the document did not announce: now its own rule
+    tokens: _TOKENS = Field(min_length=1)  # type: ignore[valid-type]
 
 
 class FeedbackRequest(_Request):
