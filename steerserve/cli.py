@@ -257,6 +257,7 @@ def ab_report(
         ...,
         help="The decision log of 'steerserve serve --ab-log' (a file), or its experiment store "
         "(--ab-store's URL: sqlite:///PATH, postgresql://...): every replica's records.",
+        metavar="LOG|STORE",
         show_default=False,
     ),
     out: Path = typer.Option(

@@ -367,6 +367,11 @@ def test_unusable_store_urls_stop_the_start_in_words(tmp_path: Path) -> None:
         text = said(out.output)
         assert out.exit_code == 2 and "--ab-store" in text and why in text, out.output
         assert secret not in out.output and "Traceback" not in out.output
+    out = CliRunner().invoke(  # the report: the same words, exit 2
+        app, ["ab-report", f"postgresql://steer:{secret}@127.0.0.1:{closed}/ab"]
+    )
+    assert out.exit_code == 2 and "Connection refused" in said(out.output), out.output
+    assert secret not in out.output
     # as a user sees it: the real process, its stderr whole
     env = os.environ | {
         "STEERSERVE_AB_STORE": f"postgresql://steer:{secret}@127.0.0.1:{closed}/x",
