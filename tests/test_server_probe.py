@@ -91,6 +91,10 @@ def test_preset_names_follow_one_rule(name: str, why: str, tiny_llama: Path) -> 
     with pytest.raises(OptionError) as o:
         settings(ServeOptions(model=str(tiny_llama), presets=(f"{name}=on",)))
     assert o.value.param == "--preset" and PRESET_NAME_RULE in str(o.value)
+    with pytest.raises(OptionError) as o:  # --ab-preset: the same rule, said the same way
+        settings(ServeOptions(model=str(tiny_llama), ab_preset=name))
+    assert o.value.param == "--ab-preset" and PRESET_NAME_RULE in str(o.value)
+    assert len(str(o.value)) < 400
 
 
 def test_the_built_in_and_ordinary_preset_names_pass() -> None:

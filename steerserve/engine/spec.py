@@ -212,7 +212,7 @@ def validate(
         f = f"{field}[{i}]"
         e = entry(item, f)
         if e.vector not in vectors:
-            raise SteeringError(f"{f}.vector", f"unknown vector {e.vector!r}")
+            raise SteeringError(f"{f}.vector", f"unknown vector {short_repr(e.vector)}")
         if not 0 <= e.layer < num_layers:
             raise SteeringError(f"{f}.layer", f"{e.layer} is out of range 0..{num_layers - 1}")
         if steerable is not None and e.layer not in steerable:
@@ -223,7 +223,9 @@ def validate(
                 f"{f}.scale", f"{e.scale} is outside [-{max_abs_scale}, {max_abs_scale}]"
             )
         if OPS[e.op].needs_direction and _is_zero(vectors[e.vector]):
-            raise SteeringError(f"{f}.vector", f"{e.op} needs a non-zero vector; {e.vector!r} is 0")
+            raise SteeringError(
+                f"{f}.vector", f"{e.op} needs a non-zero vector; {short_repr(e.vector)} is 0"
+            )
         out.append(e)
     if len(out) > max_entries:
         raise SteeringError(field, f"{len(out)} entries, at most {max_entries} allowed")

@@ -126,7 +126,7 @@ def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
     """Each ``--preset NAME=SPEC`` a steering value the API accepts (its vectors are checked once
     the artifacts are loaded), before the engine starts."""
     from steerserve.server.errors import ApiError
-    from steerserve.server.presets import DEFAULTS, parse_option
+    from steerserve.server.presets import DEFAULTS, check_name, parse_option
     from steerserve.server.protocol import parse_steering
 
     names = set(DEFAULTS)
@@ -141,7 +141,13 @@ def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
         if name in names:
             raise OptionError(f"{name}: the name is taken (presets: {sorted(names)})", "--preset")
         names.add(name)
-    if ab_preset is not None and ab_preset not in names:
+    if ab_preset is None:
+        return
+    try:
+        check_name(ab_preset)
+    except ValueError as e:
+        raise OptionError(str(e), "--ab-preset") from None
+    if ab_preset not in names:
         raise OptionError(f"no preset {ab_preset!r} (presets: {sorted(names)})", "--ab-preset")
 
 

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from steerserve import ab_report
+from steerserve.engine.spec import short_repr
 from steerserve.server.ab_store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
 from steerserve.server.experiment import STEERED, StoreUnavailable
@@ -74,7 +75,7 @@ def pages_router() -> APIRouter:
     @r.get("/ui/{name}")
     async def asset(name: str) -> Response:
         if name not in ASSETS:
-            raise ApiError(f"no such file: {name!r}", status=404, code="not_found")
+            raise ApiError(f"no such file: {short_repr(name)}", status=404, code="not_found")
         return Response(_static(name), media_type=ASSETS[name], headers=HEADERS)
 
     return r

@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
-from steerserve.engine.spec import SteeringError
+from steerserve.engine.spec import SteeringError, short_repr
 from steerserve.server import grammar
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.capacity import Budget, budget
@@ -71,7 +71,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
     if preset is not None:
         if req.steering is not None:
             raise ApiError(
-                f"steering: the model {req.model!r} is a steering preset; send 'steering' with "
+                f"steering: the model {short_repr(req.model)} is a steering preset; send 'steering' with "
                 f"the base model {state.model_name!r}, or the preset without 'steering'",
                 param="steering",
             )
@@ -213,7 +213,8 @@ def check(state: ServerState, model: str) -> Preset | None:
     preset = state.presets.get(model)
     if model != state.model_name and preset is None:
         raise ApiError(
-            f"The model {model!r} does not exist; this server serves {state.model_name!r}",
+            f"The model {short_repr(model)} does not exist; this server serves "
+            f"{state.model_name!r}",
             status=404,
             param="model",
             code="model_not_found",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from steerserve.artifacts import Artifact, artifact_name_version, named
 from steerserve.engine.ops import OPS
-from steerserve.engine.spec import SteeringEntry
+from steerserve.engine.spec import SteeringEntry, short_repr
 from steerserve.server.answers import AppliedIntervention, SteeringInfo
 from steerserve.server.errors import ApiError
 from steerserve.server.steering import (
@@ -194,7 +194,7 @@ class SteeringPolicy:
         if versions := named(ref, self.artifacts.values(), artifact_name_version):
             return versions[0]
         raise ApiError(
-            f"steering.artifact: {ref!r} is not loaded; loaded: {', '.join(self.artifacts) or 'none'}",
+            f"steering.artifact: {short_repr(ref)} is not loaded; loaded: {', '.join(self.artifacts) or 'none'}",
             param="steering.artifact",
         )
 
@@ -205,7 +205,7 @@ class SteeringPolicy:
         a scale beyond the engine's bound is refused here, naming the intervention."""
         known = {iv.name: iv for iv in art.manifest.interventions}
         for name, m in (multipliers or {}).items():
-            f = f"steering.interventions.{name}"
+            f = f"steering.interventions.{name}"  # ApiError bounds its length
             iv = known.get(name)
             if iv is None:
                 raise ApiError(
