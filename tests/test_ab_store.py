@@ -169,7 +169,9 @@ def test_two_replicas_one_store_join_feedback_and_report(backend: Backend, tmp_p
         rec = decision(f"user-{i}", i, exp)
         assert mine.record(f"id-{i}", rec)
         ids[f"id-{i}"] = (other, rec["arm"])
-    for rid, (other, arm) in list(ids.items())[:30]:  # at once: the answering writer may lag
+    for d in (a, b):  # (the server asks again for an id not written yet: tested with servers)
+        assert d.store.flush(60)
+    for rid, (other, arm) in list(ids.items())[:30]:
         got = other.feedback(rid, 1.0 if arm == "steered" else 0.0)
         assert got == {"experiment": "two", "arm": arm, "language": got["language"]}
     with pytest.raises(KeyError):

@@ -311,7 +311,7 @@ def _v1_router() -> APIRouter:
         s = _state(request)
         call = request.state.call = pipeline.Call("feedback")
         req = await read_request(request, P.FeedbackRequest, s.settings.max_body_bytes)
-        out = await asyncio.to_thread(s.feedback, req.id, req.score)  # the store's round trip
+        out = await s.feedback_joined(req.id, req.score)  # the store's round trip, off the loop
         pipeline.finish(s, call, 200, timed=False)
         return out
 

@@ -265,6 +265,22 @@ class ServerState:
         self.policy.add(art, make_default)
         return art
 
+    async def feedback_joined(self, rid: str, score: float) -> dict[str, Any]:
+        """:meth:`feedback` off the event loop. With a store, an id it does not know yet is
+        asked again for a moment (the replica that answered may still be writing it) without
+        holding a thread while waiting."""
+        from steerserve.server.ab_store.writer import FEEDBACK_GRACE_SECONDS
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (FEEDBACK_GRACE_SECONDS if self.decisions.store else 0)
+        while True:
+            try:
+                return await asyncio.to_thread(self.feedback, rid, score)
+            except ApiError as e:
+                if e.code != "decision_not_found" or loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
     def feedback(self, rid: str, score: float) -> dict[str, Any]:
         """``POST /v1/steering/feedback``: a score appended to the decision log, joined to the
         arm of the answer ``rid`` (an enrolled request this server, or one before it, answered)."""

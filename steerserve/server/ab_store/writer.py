@@ -109,16 +109,17 @@ class Writer:
 
     def feedback(self, rec: dict[str, Any]) -> dict[str, Any]:
         """One score straight into the store, the cap counted there across replicas: the
-        decision's (experiment, arm, language). ``KeyError`` once :data:`FEEDBACK_GRACE_SECONDS`
-        passed without the decision; :class:`FeedbackLimit`; :class:`StoreUnavailable`."""
-        deadline = time.monotonic() + FEEDBACK_GRACE_SECONDS
+        decision's (experiment, arm, language). ``KeyError``: no such decision in the store (yet:
+        the caller may ask again, see :data:`FEEDBACK_GRACE_SECONDS`); :class:`FeedbackLimit`;
+        :class:`StoreUnavailable`."""
+        retried = False
         while True:
             try:
                 known = self.store.feedback(rec, self.replica, MAX_FEEDBACK_PER_ID)
-            except KeyError:
-                if time.monotonic() >= deadline:
+            except StoreUnavailable:
+                if retried:
                     raise
-                time.sleep(0.05)
+                retried = True  # a pooled connection the server closed: once more, a new one
                 continue
             except StoreError as e:  # a bad record: nothing a retry changes
                 raise StoreUnavailable(str(e)) from None

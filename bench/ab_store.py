@@ -1,0 +1,205 @@
+"""What the A/B experiment store costs a server (issue 47): requests/s and p50 latency with the
+store on vs off, paired and interleaved, ratios with a 95 % interval, in one run (not a test).
+
+Arms, two ``steerserve serve`` processes on the same tiny model and settings, both running the
+experiment (``--ab-split 0.5``, every request enrolled by its ``user``):
+
+* ``off``   — no store and no log (the decision is made, then not kept anywhere);
+* ``store`` — ``--ab-store URL`` (default: a SQLite file in a temporary folder; pass
+  ``--store postgresql://...`` for PostgreSQL).
+
+Both servers run at once; the load goes to one at a time, in the order off/store, store/off,
+... so drift hits both alike. Per round and arm: ``--requests`` chat completions of ``--tokens``
+tokens from ``--clients`` concurrent clients (each request a new user). Per round the ratios
+store/off of requests/s and of p50; the mean ratio and its 95 % t-interval over rounds. At the
+end the store's queue must be empty and its count must equal the store arm's answered requests.
+
+The tiny model is used because the small embedded model needs the whole CPU for itself: on this
+2-core machine it would measure the model, not the store; the tiny one makes the per-request
+cost of the store as visible as it can be (a heavier model only dilutes it).
+
+    .venv/bin/python bench/ab_store.py [--rounds 8] [--requests 320] [--clients 32] [--tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway import _free_port, _tiny  # noqa: E402
+from latency import Proc, cpu_info  # noqa: E402
+
+KEY = "bench-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+#: Two-sided 95 % t quantiles by degrees of freedom (rounds - 1).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def start(arm: str, model: Path, vectors: Path, store: str | None, logs: Path) -> Proc:
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model), "--port", port]
+    cmd += ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
+    cmd += ["--vectors-dir", str(vectors), "--log-level", "warning", "--api-key", KEY]
+    cmd += ["--ab-split", "0.5", "--ab-name", "bench", "--served-model-name", "tiny"]
+    if store:
+        cmd += ["--ab-store", store]
+    return Proc(arm, cmd, dict(os.environ), logs / f"{arm}.log")
+
+
+async def load(url: str, n: int, clients: int, tokens: int, tag: str) -> dict[str, float]:
+    """``n`` chat completions from ``clients`` concurrent clients: requests/s and p50 (ms)."""
+    latencies: list[float] = []
+    todo = iter(range(n))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=300, limits=limits) as c:
+
+        async def client() -> None:
+            for i in todo:
+                body = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"Quelle est la capitale ({i})"}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "user": f"{tag}-{i}",
+                }
+                t = time.perf_counter()
+                r = await c.post("/v1/chat/completions", json=body)
+                latencies.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"rps": n / wall, "p50_ms": statistics.median(latencies) * 1e3}
+
+
+def interval(xs: list[float]) -> dict[str, float]:
+    """Mean and 95 % t-interval."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return {"mean": m, "lo": math.nan, "hi": math.nan}
+    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return {"mean": m, "lo": m - half, "hi": m + half}
+
+
+def per_record(store: str, n: int) -> dict[str, float]:
+    """The store's own cost, in this process and free of the model's noise: microseconds a
+    request spends recording its decision (an append to the queue), and CPU microseconds the
+    writer thread spends per record to put ``n`` of them in the store."""
+    from steerserve.server.ab_store import open_writer
+    from steerserve.server.experiment import DecisionLog, Decisions, Experiment
+
+    d = Decisions(DecisionLog(None), open_writer(store, None))
+    exp = Experiment("bench", 0.5)
+    recs = []
+    for i in range(n):
+        a = exp.assign(f"micro-{i}")
+        recs.append({"experiment": a.name, "arm": a.arm, "subject_hash": a.subject_hash,
+                     "endpoint": "chat", "model": "tiny", "language": "fr", "applied": True,
+                     "vectors": ["tiny/v1/recall"], "latency_ms": 12.5, "prompt_tokens": 9,
+                     "completion_tokens": 8})  # fmt: skip
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for i, rec in enumerate(recs):
+        d.record(f"chatcmpl-micro-{i}", rec)
+    put = time.perf_counter() - t0
+    assert d.store.flush(600)
+    cpu = time.process_time() - cpu0
+    d.close()
+    return {"record_us": put / n * 1e6, "cpu_us_per_record": cpu / n * 1e6, "records": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=320, help="per round and arm")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--store", help="the store URL (default: a SQLite file in a temp folder)")
+    ap.add_argument("--micro", type=int, default=20000, help="records for the per-record cost")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-ab-store-") as tmp:
+        root = Path(tmp)
+        model, vectors = _tiny(root)
+        store = a.store or f"sqlite:///{root}/ab.db"
+        procs = {
+            arm: start(arm, model, vectors, s, root) for arm, s in (("off", None), ("store", store))
+        }
+        try:
+            for p in procs.values():
+                p.wait_ready("/ready")
+            rows = run(procs, a)
+            check(procs["store"], a)
+        finally:
+            for p in procs.values():
+                p.stop()
+        micro = per_record(a.store or f"sqlite:///{root}/micro.db", a.micro)
+    rps = interval([r["store"]["rps"] / r["off"]["rps"] for r in rows])
+    p50 = interval([r["store"]["p50_ms"] / r["off"]["p50_ms"] for r in rows])
+    out = {
+        "cpu": cpu_info(),
+        "cores": os.cpu_count(),
+        "store": store.split("://")[0],
+        "settings": vars(a),
+        "rounds": rows,
+        "rps_ratio": rps,
+        "p50_ratio": p50,
+        "per_record": micro,
+    }
+    print(json.dumps(out, indent=2))
+    for name, r in (("requests/s", rps), ("p50", p50)):
+        print(f"store/off {name}: {r['mean']:.4f} (95 % CI {r['lo']:.4f} to {r['hi']:.4f})")
+    print(
+        f"per record: {micro['record_us']:.1f} us on the request path, "
+        f"{micro['cpu_us_per_record']:.0f} us of CPU in all (queue + writer + database)"
+    )
+
+
+def run(procs: dict[str, Proc], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Warm both, then the rounds, the order alternating."""
+    for arm, p in procs.items():
+        asyncio.run(load(p.url, a.clients * 2, a.clients, a.tokens, f"warm-{arm}"))
+    rows = []
+    for i in range(a.rounds):
+        order = ("off", "store") if i % 2 == 0 else ("store", "off")
+        row = {}
+        for arm in order:
+            row[arm] = asyncio.run(
+                load(procs[arm].url, a.requests, a.clients, a.tokens, f"r{i}-{arm}")
+            )
+        rows.append(row)
+        print(f"round {i}: {json.dumps(row)}", file=sys.stderr)
+    return rows
+
+
+def check(p: Proc, a: argparse.Namespace) -> None:
+    """The store arm's records all reached the store: its queue drained, nothing dropped, as
+    many decisions written as it answered requests (warm-up included)."""
+    while True:
+        snap = httpx.get(f"{p.url}/v1/steering/experiments", headers=HEADERS, timeout=60).json()
+        if snap["store"]["queued"] == 0:
+            break
+        time.sleep(0.2)
+    st, want = snap["store"], a.clients * 2 + a.rounds * a.requests
+    print(
+        f"store: {st['written']} written, {st['dropped']} dropped, {want} answered", file=sys.stderr
+    )
+    if st["dropped"] or st["written"] != want or snap["report"]["requests"] != want:
+        raise SystemExit(f"the store does not hold every answer: {st}, {want} answered")
+
+
+if __name__ == "__main__":
+    main()
