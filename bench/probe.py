@@ -3,9 +3,10 @@
 Starts the server on a model (default: the small embedded one), then, one case at a time:
 - a 1-token request sent 1 s after each heavy request (32 x 1,900-word echo+logprobs prompts;
   two concurrent n=32 x 200-token requests): its latency and the heavy requests' statuses;
-- eight distinct large JSON schemas (``--schema-props`` required properties with patterns),
-  then the engine core's resident memory;
-- a regex that hits xgrammar's compile timeout: its status.
+- ``--schemas`` distinct large JSON schemas (``--schema-props`` required properties with
+  patterns), then the engine core's resident memory;
+- a regex that hits xgrammar's compile timeout: its status;
+- ``kill -9`` of the server with requests running: seconds until each of its processes is gone.
 Prints one JSON object (and writes it with ``--out``). Measure on a quiet machine.
 
     python bench/probe.py --model gemma-3-270m --out docs/results/probe/after.json
@@ -38,8 +39,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: str, port: int, log: Path) -> subprocess.Popen:
+def start(model: str, port: int, log: Path, extra: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "steerserve", "serve", "--model", model, "--port", str(port)]
+    cmd += extra or []
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     while proc.poll() is None:  # ready, or the process ended (a failed start)
         try:
@@ -102,7 +104,7 @@ async def main(a: argparse.Namespace) -> dict:
             out["two_n32"] = await behind(c, model, [n32, n32])
             out["rss_gb_after_load"] = rss_gb(proc)
             statuses = []
-            for i in range(8):
+            for i in range(a.schemas):
                 body = {
                     "model": model,
                     "prompt": "JSON:",
@@ -169,6 +171,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--schema-props", type=int, default=5000)
+    ap.add_argument("--schemas", type=int, default=8, help="distinct schemas sent, one at a time")
     ap.add_argument("--log", default=os.devnull)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
