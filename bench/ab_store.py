@@ -11,8 +11,11 @@ experiment (``--ab-split 0.5``, every request enrolled by its ``user``):
 Both servers run at once; the load goes to one at a time, in the order off/store, store/off,
 ... so drift hits both alike. Per round and arm: ``--requests`` chat completions of ``--tokens``
 tokens from ``--clients`` concurrent clients (each request a new user). Per round the ratios
-store/off of requests/s and of p50; the mean ratio and its 95 % t-interval over rounds. At the
-end the store's queue must be empty and its count must equal the store arm's answered requests.
+store/off of requests/s, of p50 and of the server's CPU time per request (its process tree's
+user + system time: less moved by other jobs on the machine than the wall clock); the mean ratio
+and its 95 % t-interval over rounds. At the end the store's queue must be empty and its count
+must equal the store arm's answered requests. Last, in this process, the store's own cost per
+record: the time a request spends recording it, and the CPU to write it.
 
 The tiny model is used because the small embedded model needs the whole CPU for itself: on this
 2-core machine it would measure the model, not the store; the tiny one makes the per-request
@@ -149,6 +152,7 @@ def main() -> None:
         micro = per_record(a.store or f"sqlite:///{root}/micro.db", a.micro)
     rps = interval([r["store"]["rps"] / r["off"]["rps"] for r in rows])
     p50 = interval([r["store"]["p50_ms"] / r["off"]["p50_ms"] for r in rows])
+    cpu = interval([r["store"]["cpu_ms"] / r["off"]["cpu_ms"] for r in rows])
     out = {
         "cpu": cpu_info(),
         "cores": os.cpu_count(),
@@ -157,10 +161,12 @@ def main() -> None:
         "rounds": rows,
         "rps_ratio": rps,
         "p50_ratio": p50,
+        "cpu_per_request_ratio": cpu,
+        "load_average": os.getloadavg(),
         "per_record": micro,
     }
     print(json.dumps(out, indent=2))
-    for name, r in (("requests/s", rps), ("p50", p50)):
+    for name, r in (("requests/s", rps), ("p50", p50), ("server CPU per request", cpu)):
         print(f"store/off {name}: {r['mean']:.4f} (95 % CI {r['lo']:.4f} to {r['hi']:.4f})")
     print(
         f"per record: {micro['record_us']:.1f} us on the request path, "
@@ -168,8 +174,22 @@ def main() -> None:
     )
 
 
+def cpu_seconds(p: Proc) -> float:
+    """CPU time of a server's processes so far (the store's writer thread included)."""
+    total = 0.0
+    for proc in p.tree():
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except Exception:  # a process that just ended
+            continue
+    return total
+
+
 def run(procs: dict[str, Proc], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Warm both, then the rounds, the order alternating."""
+    """Warm both, then the rounds, the order alternating. Besides requests/s and p50 (wall
+    clock: what a client sees, but as noisy as the machine), the server's CPU milliseconds per
+    request: what the store adds to the server's work, far less moved by other jobs."""
     for arm, p in procs.items():
         asyncio.run(load(p.url, a.clients * 2, a.clients, a.tokens, f"warm-{arm}"))
     rows = []
@@ -177,9 +197,11 @@ def run(procs: dict[str, Proc], a: argparse.Namespace) -> list[dict[str, Any]]:
         order = ("off", "store") if i % 2 == 0 else ("store", "off")
         row = {}
         for arm in order:
+            cpu = cpu_seconds(procs[arm])
             row[arm] = asyncio.run(
                 load(procs[arm].url, a.requests, a.clients, a.tokens, f"r{i}-{arm}")
             )
+            row[arm]["cpu_ms"] = (cpu_seconds(procs[arm]) - cpu) / a.requests * 1e3
         rows.append(row)
         print(f"round {i}: {json.dumps(row)}", file=sys.stderr)
     return rows

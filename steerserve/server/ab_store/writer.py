@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 #: newest is dropped and counted.
 MAX_QUEUED = 100_000
 BATCH = 500  # records per transaction
+#: How long the writer lets records gather before a transaction: one write (and one wake-up of
+#: its thread, which competes with the event loop for the GIL) for all the requests answered
+#: meanwhile, instead of one per request. Records reach the store this much later.
+LINGER_SECONDS = 0.1
 BACKOFF = (0.05, 2.0)  # seconds between retries: first, most
 #: How long a feedback for an id the store does not know yet waits for it: the replica that
 #: answered may still be writing its decision (its writer runs a few milliseconds behind).
@@ -99,7 +103,8 @@ class Writer:
             self._queue.append(rec)
             self._pending[str(rec["id"])] += 1
             self._gauge()
-            self._cond.notify()
+            if len(self._queue) in (1, BATCH):  # the writer waits for the first, or a batch
+                self._cond.notify_all()
         return True
 
     def holds(self, rid: str) -> bool:
@@ -167,6 +172,8 @@ class Writer:
             with self._cond:
                 while not self._queue and not self._closing:
                     self._cond.wait()
+                if not self._closing and len(self._queue) < BATCH:
+                    self._cond.wait(LINGER_SECONDS)  # let a batch gather (ends early when full)
                 if self._stop or not self._queue:
                     return
                 batch = list(islice(self._queue, BATCH))
