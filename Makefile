@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU image's install steps in a fresh venv (tests/test_deploy.py) read it offline.
 WHEELS ?= .work/wheelhouse
 
-.PHONY: setup browser postgres test lint serve
+.PHONY: setup browser postgres test test-fast lint serve
 
 setup: $(VENV)/.setup-done
 
@@ -55,6 +55,10 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q -ra --durations=15
+
+# The inner loop: every test that starts no engine, server or process (tests/conftest.py: heavy).
+test-fast: setup lint
+	$(BIN)/python -m pytest -q -ra -m "not heavy" --durations=5
 
 serve: setup
 	$(BIN)/steerserve serve

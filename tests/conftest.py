@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,26 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["gemma3"]
+
+
+#: What starts a vLLM engine, a server, a browser or another process: a test module that does is
+#: marked ``heavy`` and left out of the fast tier (``make test-fast``: ``-m "not heavy"``); the
+#: full suite (``make test``) runs every test. Read from the module's text, so a new module that
+#: starts an engine is heavy without anyone remembering to mark it.
+HEAVY = re.compile(
+    r"create_app\(|SteerEngine\(|\bengine\(|serving\(|Serve\(|Server\(|subprocess\.|AsyncLLM"
+    r"|\bLLM\(|simple_evaluate|chromium"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "heavy: starts an engine, server or process (not fast)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heavy: dict[Path, bool] = {}
+    for item in items:
+        if item.path not in heavy:
+            heavy[item.path] = bool(HEAVY.search(item.path.read_text()))
+        if heavy[item.path]:
+            item.add_marker(pytest.mark.heavy)

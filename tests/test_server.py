@@ -95,7 +95,9 @@ class Server:
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self, timeout: float = 180.0) -> None:
+    def start(self, timeout: float = 600.0) -> None:
+        """Serve and wait until /ready answers 200, or says the engine failed (``timeout``: a
+        bound for a machine busy with other work, not a speed target)."""
         self.thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -16,13 +16,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_server_process import HEADERS, Serve, serving, under_way
+from test_server_process import GONE, HEADERS, Serve, serving, under_way
 
 #: Tokens of the requests held in flight: far from their end when the worker is frozen (the
 #: tiny Llama's context is 1,024).
 TOKENS = 1000
-#: The most seconds the processes of a dead server may take to go (each exits within a few).
-GONE = 30.0
 
 
 def _live(p: psutil.Process) -> bool:
@@ -91,7 +89,7 @@ def test_server_killed_takes_its_engine_with_it(
                 worker.thaw()  # the engine runs on with its requests, its parent gone
                 for f in streams + collected:
                     assert f.exception(120) is not None  # the connection was cut
-        assert srv.proc.wait(30) == -signal.SIGKILL
+        assert srv.proc.wait(GONE) == -signal.SIGKILL
         assert _left(srv) == [], srv.tail()
 
 
@@ -108,7 +106,7 @@ def test_engine_killed_under_load_answers_503_and_exits_1(tiny_llama: Path, tmp_
             worker.thaw()
             _unavailable_everywhere(streams, collected)
         assert srv.proc is not None
-        assert srv.proc.wait(60) == 1, srv.tail()
+        assert srv.proc.wait(GONE) == 1, srv.tail()
         assert _left(srv) == [], srv.tail()
         # (vLLM's output handler logs the EngineDeadError with its traceback: the engine did die)
 
@@ -145,7 +143,7 @@ def test_server_sigterm_alone_drains_with_an_honest_status(
                     assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
                     usage = json.loads(lines[-2][6:])["usage"]
                     assert usage["completion_tokens"] == TOKENS, lines[-2]
-        status = srv.proc.wait(120)
+        status = srv.proc.wait(GONE)
         log = srv.tail(100_000)
         if drain == "1":
             assert status == 1, log[-3000:]

@@ -30,6 +30,10 @@ from steerserve.engine.cpu import BF16_FLAGS, BIND, core_list, cpu_flags
 from steerserve.server.experiment import Experiment
 
 KEY = "proc-key"
+#: The most seconds a server or one of its processes may take to exit once it should: a bound
+#: for a machine busy with other work, not a speed target (each exits within seconds when
+#: quiet; psutil.wait_procs and Popen.wait return as soon as they have).
+GONE = 180.0
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 AB_USERS = [f"user-{i}" for i in range(20)]
 
@@ -381,8 +385,8 @@ def test_cli_serve_multiprocess_group_sigint_drains(
                 assert r.json()["usage"]["completion_tokens"] == 1000
                 assert done > signalled
         assert refused
-        assert srv.proc.wait(120) == 0, srv.tail()
-        assert srv.survivors(30) == [], srv.tail()
+        assert srv.proc.wait(GONE) == 0, srv.tail()
+        assert srv.survivors(GONE) == [], srv.tail()
         assert "Traceback" not in srv.tail(100_000)
 
 
@@ -425,8 +429,8 @@ def test_dead_engine_fails_health_and_exits_non_zero(
             assert time.monotonic() - t0 < 5, "/health still ok"
             time.sleep(0.05)
         assert srv.proc is not None
-        assert srv.proc.wait(60) == 1, srv.tail()
-        assert srv.survivors(30) == [], srv.tail()
+        assert srv.proc.wait(GONE) == 1, srv.tail()
+        assert srv.survivors(GONE) == [], srv.tail()
 
 
 @pytest.mark.parametrize("stop", ["deadline", "second signal"])
@@ -464,11 +468,11 @@ def test_d2_drain_deadline_or_second_signal_answers_every_request(
                 assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
                 err = json.loads(lines[-2][6:])["error"]
                 assert err["type"] == "service_unavailable", lines[-2]
-        assert srv.proc.wait(60) == 1, srv.tail()
+        assert srv.proc.wait(GONE) == 1, srv.tail()
         log = srv.tail(100_000)
         assert "8 request(s) dropped" in log, log[-3000:]
         assert "Traceback" not in log and "already running" not in log, log[-3000:]
-        assert srv.survivors(30) == [], log[-3000:]
+        assert srv.survivors(GONE) == [], log[-3000:]
 
 
 def _live(p: psutil.Process) -> bool:
@@ -497,10 +501,10 @@ def test_d11_group_sigterm_leaves_no_process_and_no_shared_memory(
     with serving(tiny_llama, tmp_path) as srv:
         assert srv.proc is not None
         os.killpg(srv.proc.pid, signal.SIGTERM)
-        assert srv.proc.wait(120) == 0, srv.tail()
+        assert srv.proc.wait(GONE) == 0, srv.tail()
         vllm = [p for p in srv.family[1:] if _live(p) and "resource_tracker" not in _cmd(p)]
         assert vllm == [], srv.tail()  # EngineCore and worker had exited with the server
-        assert srv.survivors(10) == [], srv.tail()
+        assert srv.survivors(GONE) == [], srv.tail()
         assert "leaked shared_memory" not in srv.tail(100_000), srv.tail()
 
 
@@ -533,7 +537,7 @@ def test_requests_a_stopping_engine_refuses_are_503_and_counted(
                 status, body = (r[0], r[1][-1]) if isinstance(r, tuple) else (r.status_code, r.text)
                 assert status == 503, body
                 assert "service_unavailable" in body, body
-        assert srv.proc.wait(60) == 1, srv.tail()
+        assert srv.proc.wait(GONE) == 1, srv.tail()
         log = srv.tail(100_000)
         assert "8 request(s) dropped" in log, log[-3000:]
-        assert srv.survivors(30) == [], log[-3000:]
+        assert srv.survivors(GONE) == [], log[-3000:]
