@@ -160,6 +160,7 @@ def test_grid_refuses_unknown_positions() -> None:
     assert cal.Grid.for_layers(28).recall_layers == (6, 9, 12, 16)
 
 
+@pytest.mark.heavy  # builds the research engine through the CLI (100 s here): not in test-fast
 def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, tmp_path: Path):
     """Chat records end to end: calibrate on chat records from a file (held-out half: every
     other record of each language), then eval on the built-in split in the artifact's form."""
@@ -213,6 +214,7 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     assert res.exit_code != 0 and "capital_of" in res.output and "'bot'" in res.output
 
 
+@pytest.mark.heavy  # a whole log-P sweep (60 s here): not in test-fast
 def test_logp_protocol_selects_on_one_half_and_confirms_on_the_other(
     tiny_gemma: Path, cands: Candidates, tmp_path: Path
 ) -> None:
