@@ -48,6 +48,8 @@ KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 #: Two-sided 95 % t quantiles by degrees of freedom (rounds - 1).
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T95 |= {10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110}
+T95 |= {18: 2.101, 19: 2.093, 20: 2.086, 23: 2.069, 29: 2.045}
 
 
 def start(arm: str, model: Path, vectors: Path, store: str | None, logs: Path) -> Proc:
@@ -90,13 +92,20 @@ async def load(url: str, n: int, clients: int, tokens: int, tag: str) -> dict[st
     return {"rps": n / wall, "p50_ms": statistics.median(latencies) * 1e3}
 
 
-def interval(xs: list[float]) -> dict[str, float]:
-    """Mean and 95 % t-interval."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return {"mean": m, "lo": math.nan, "hi": math.nan}
-    half = T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return {"mean": m, "lo": m - half, "hi": m + half}
+def interval(ratios: list[float]) -> dict[str, float]:
+    """The geometric mean of per-round ratios and its 95 % t-interval (on the logs: a ratio of
+    2 and one of 1/2 average to 1), and the median ratio."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    half = math.nan
+    if len(logs) > 1:
+        half = T95.get(len(logs) - 1, 2.09) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {
+        "mean": math.exp(m),
+        "lo": math.exp(m - half),
+        "hi": math.exp(m + half),
+        "median": statistics.median(ratios),
+    }
 
 
 def per_record(store: str, n: int) -> dict[str, float]:
@@ -133,19 +142,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--store", help="the store URL (default: a SQLite file in a temp folder)")
     ap.add_argument("--micro", type=int, default=20000, help="records for the per-record cost")
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the `store` arm's server without a store too (how far apart two "
+        "identical servers measure on this machine)",
+    )
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ab-store-") as tmp:
         root = Path(tmp)
         model, vectors = _tiny(root)
         store = a.store or f"sqlite:///{root}/ab.db"
-        procs = {
-            arm: start(arm, model, vectors, s, root) for arm, s in (("off", None), ("store", store))
-        }
+        arms = (("off", None), ("store", None if a.control else store))
+        procs = {arm: start(arm, model, vectors, s, root) for arm, s in arms}
         try:
             for p in procs.values():
                 p.wait_ready("/ready")
             rows = run(procs, a)
-            check(procs["store"], a)
+            if not a.control:
+                check(procs["store"], a)
         finally:
             for p in procs.values():
                 p.stop()
@@ -156,7 +171,7 @@ def main() -> None:
     out = {
         "cpu": cpu_info(),
         "cores": os.cpu_count(),
-        "store": store.split("://")[0],
+        "store": "none (control)" if a.control else store.split("://")[0],
         "settings": vars(a),
         "rounds": rows,
         "rps_ratio": rps,
@@ -167,7 +182,10 @@ def main() -> None:
     }
     print(json.dumps(out, indent=2))
     for name, r in (("requests/s", rps), ("p50", p50), ("server CPU per request", cpu)):
-        print(f"store/off {name}: {r['mean']:.4f} (95 % CI {r['lo']:.4f} to {r['hi']:.4f})")
+        print(
+            f"store/off {name}: {r['mean']:.3f} (95 % CI {r['lo']:.3f} to {r['hi']:.3f}; "
+            f"median {r['median']:.3f})"
+        )
     print(
         f"per record: {micro['record_us']:.1f} us on the request path, "
         f"{micro['cpu_us_per_record']:.0f} us of CPU in all (queue + writer + database)"
