@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from steerserve import ab_report
 from steerserve.cli import app
-from steerserve.server.ab_store import base, open_store, open_writer, shown
+from steerserve.server.ab_store import open_store, open_writer, schema, shown
 from steerserve.server.ab_store.writer import Writer
 from steerserve.server.experiment import (
     MAX_FEEDBACK_PER_ID,
@@ -138,11 +138,11 @@ def test_schema_is_created_and_migrated_once(
     in words, so an old server never writes to it."""
     with ThreadPoolExecutor(4) as pool:
         stores = list(pool.map(lambda _: open_store(backend.url), range(4)))
-    assert {s.version() for s in stores} == {len(base.MIGRATIONS)}
+    assert {s.version() for s in stores} == {len(schema.MIGRATIONS)}
     for s in stores:
         s.close()
-    upgrade = [*base.MIGRATIONS, ["CREATE TABLE steerserve_ab_probe (x INTEGER)"]]
-    monkeypatch.setattr(base, "MIGRATIONS", upgrade)
+    upgrade = [*schema.MIGRATIONS, ["CREATE TABLE steerserve_ab_probe (x INTEGER)"]]
+    monkeypatch.setattr(schema, "MIGRATIONS", upgrade)
     with ThreadPoolExecutor(3) as pool:  # two creating the table at once: "already exists"
         stores = list(pool.map(lambda _: open_store(backend.url), range(3)))
     assert {s.version() for s in stores} == {len(upgrade)}
@@ -403,7 +403,7 @@ def test_postgres_credentials_from_libpq_variables(
     assert "wrong-password-x" not in str(e.value)
     monkeypatch.setenv("PGPASSWORD", pg.url().split(":")[2].split("@")[0])
     with open_store(url) as store:
-        assert store.version() == len(base.MIGRATIONS)
+        assert store.version() == len(schema.MIGRATIONS)
     assert shown(pg.url()) == pg.url().replace("s3cret-pw", "***")
 
 

@@ -1,79 +1,32 @@
-"""The experiment store's SQL, shared by both backends: the schema and its migrations, decisions
-and feedback as rows, the per-id feedback cap checked inside the database, and the reads a
-report needs. A backend (``sqlite.py``, ``postgres.py``) only connects, opens a transaction and
-says which of its errors mean "unreachable, try again".
+"""The experiment store's SQL, shared by both backends: migrating the schema (``schema.py``),
+decisions and feedback written as rows, the per-id feedback cap checked inside the database, and
+the reads a report needs. A backend (``sqlite.py``, ``postgres.py``) only connects, opens a
+transaction and says which of its errors mean "unreachable, try again".
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from steerserve.server.ab_store import schema
+from steerserve.server.ab_store.schema import (
+    COLUMNS,
+    COMPONENT,
+    DECISIONS,
+    FEEDBACK,
+    REPLICAS,
+    VERSIONS,
+)
 from steerserve.server.experiment import FeedbackLimit, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
-DECISIONS = "steerserve_ab_decisions"
-FEEDBACK = "steerserve_ab_feedback"
-REPLICAS = "steerserve_ab_replicas"
-VERSIONS = "steerserve_schema"
-COMPONENT = "ab_store"
 #: Connections kept open for reuse (request threads and the writer take one each).
 POOL = 4
-#: A decision's fields kept as columns (``vectors``, ``prompt`` and ``reply`` as JSON text); any
-#: other field (a later server's) goes to ``extra`` as JSON, so nothing a decision says is lost.
-COLUMNS = (
-    "ts",
-    "experiment",
-    "arm",
-    "subject_hash",
-    "endpoint",
-    "model",
-    "language",
-    "applied",
-    "preset",
-    "vectors",
-    "latency_ms",
-    "prompt_tokens",
-    "completion_tokens",
-    "prompt",
-    "reply",
-)
-JSON_COLUMNS = ("vectors", "prompt", "reply")
-NUMBERS = {"ts": float, "latency_ms": float, "prompt_tokens": int, "completion_tokens": int}
-
-#: The schema, one list of statements per version, applied in order by :meth:`Store.migrate`
-#: (``{serial}``: the backend's auto-increment key). Never edit a released version: add one.
-MIGRATIONS: list[list[str]] = [
-    [
-        f"""CREATE TABLE {DECISIONS} (
-            id TEXT PRIMARY KEY,
-            ts DOUBLE PRECISION NOT NULL,
-            experiment TEXT, arm TEXT, subject_hash TEXT, endpoint TEXT, model TEXT,
-            language TEXT, applied BOOLEAN, preset TEXT, vectors TEXT,
-            latency_ms DOUBLE PRECISION, prompt_tokens BIGINT, completion_tokens BIGINT,
-            prompt TEXT, reply TEXT, extra TEXT, replica TEXT,
-            feedback_count INTEGER NOT NULL DEFAULT 0)""",
-        f"CREATE INDEX {DECISIONS}_ts ON {DECISIONS} (ts)",
-        f"""CREATE TABLE {FEEDBACK} (
-            seq {{serial}} PRIMARY KEY,
-            fid TEXT NOT NULL UNIQUE,
-            id TEXT NOT NULL REFERENCES {DECISIONS} (id),
-            ts DOUBLE PRECISION NOT NULL,
-            score DOUBLE PRECISION NOT NULL,
-            replica TEXT)""",
-        f"CREATE INDEX {FEEDBACK}_id ON {FEEDBACK} (id, seq)",
-        f"""CREATE TABLE {REPLICAS} (
-            replica TEXT PRIMARY KEY,
-            started DOUBLE PRECISION, seen DOUBLE PRECISION,
-            written BIGINT NOT NULL DEFAULT 0, queued BIGINT NOT NULL DEFAULT 0,
-            dropped BIGINT NOT NULL DEFAULT 0)""",
-    ],
-]
 
 
 class StoreError(Exception):
@@ -198,21 +151,21 @@ class Store:
                 "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
             )
             found = self._version(cur)
-            if found > len(MIGRATIONS):
+            if found > len(schema.MIGRATIONS):
                 raise StoreError(
                     f"{self.shown}: its schema is version {found}, newer than this steerserve's "
-                    f"{len(MIGRATIONS)}: upgrade steerserve"
+                    f"{len(schema.MIGRATIONS)}: upgrade steerserve"
                 )
-            for version in range(found + 1, len(MIGRATIONS) + 1):
-                for stmt in MIGRATIONS[version - 1]:
+            for version in range(found + 1, len(schema.MIGRATIONS) + 1):
+                for stmt in schema.MIGRATIONS[version - 1]:
                     cur.execute(stmt.format(serial=self.serial))
                 logger.info("experiment store %s: schema version %d", self.shown, version)
             cur.execute(
                 f"INSERT INTO {VERSIONS} (component, version) VALUES (?, ?) ON CONFLICT "
                 f"(component) DO UPDATE SET version = excluded.version",
-                (COMPONENT, len(MIGRATIONS)),
+                (COMPONENT, len(schema.MIGRATIONS)),
             )
-        return found, len(MIGRATIONS)
+        return found, len(schema.MIGRATIONS)
 
     def version(self) -> int:
         """The schema's version (0: no steerserve store here yet)."""
@@ -262,14 +215,14 @@ class Store:
         return known
 
     def _decision(self, cur: _Cursor, rec: dict[str, Any], replica: str) -> None:
-        values = [_column(k, rec.get(k)) for k in COLUMNS]
+        values = [schema.column(k, rec.get(k)) for k in COLUMNS]
         extra = {k: v for k, v in rec.items() if k not in COLUMNS and k not in ("type", "id")}
         cols = ", ".join(COLUMNS)
         marks = ", ".join("?" * (len(COLUMNS) + 3))
         cur.execute(
             f"INSERT INTO {DECISIONS} (id, {cols}, extra, replica) VALUES ({marks}) "
             "ON CONFLICT (id) DO NOTHING",
-            (str(rec["id"]), *values, _json(extra) if extra else None, replica),
+            (str(rec["id"]), *values, schema.to_json(extra) if extra else None, replica),
         )
 
     def _feedback(
@@ -279,7 +232,7 @@ class Store:
         cur.execute(f"SELECT 1 FROM {FEEDBACK} WHERE fid = ?", (rec["fid"],))
         if cur.fetchone() is not None:  # this very score is in already (a retried write)
             cur.execute(f"SELECT experiment, arm, language FROM {DECISIONS} WHERE id = ?", (rid,))
-            return _known(cur.fetchone())
+            return schema.known(cur.fetchone())
         cur.execute(
             f"UPDATE {DECISIONS} SET feedback_count = feedback_count + 1 "
             "WHERE id = ? AND feedback_count < ? RETURNING experiment, arm, language",
@@ -293,7 +246,7 @@ class Store:
             f"INSERT INTO {FEEDBACK} (fid, id, ts, score, replica) VALUES (?, ?, ?, ?, ?)",
             (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica),
         )
-        return _known(row)
+        return schema.known(row)
 
     # --- reads --------------------------------------------------------------------------------
 
@@ -306,7 +259,7 @@ class Store:
             cur.execute(f"SELECT id, ts, score FROM {FEEDBACK} ORDER BY seq")
             feedback = cur.fetchall()
         for row in decisions:
-            yield _record(row)
+            yield schema.record(row)
         for rid, ts, score in feedback:
             yield {"type": "feedback", "ts": ts, "id": rid, "score": score}
 
@@ -325,7 +278,7 @@ class Store:
         keys = ("id", "ts", "experiment", "arm", "language", "prompt", "reply", "score")
         out = [dict(zip(keys, row, strict=True)) for row in rows]
         for r in out:
-            r["prompt"], r["reply"] = _unjson(r["prompt"]), _unjson(r["reply"])
+            r["prompt"], r["reply"] = schema.from_json(r["prompt"]), schema.from_json(r["reply"])
         return out
 
     def stamp(self) -> tuple[int, int, int]:
@@ -410,48 +363,3 @@ def _close(conn: Any) -> None:
         conn.close()
     except Exception:  # a dead connection: nothing to release
         pass
-
-
-def _known(row: Any) -> dict[str, Any]:
-    return {"experiment": row[0], "arm": row[1], "language": row[2]}
-
-
-def _text(v: Any) -> str:
-    """A string any database takes: lone surrogates and NUL as escapes (as the JSONL log)."""
-    return v.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\u0000")
-
-
-def _json(v: Any) -> str:
-    return json.dumps(v, ensure_ascii=True, separators=(",", ":"))
-
-
-def _unjson(v: str | None) -> Any:
-    return None if v is None else json.loads(v)
-
-
-def _column(name: str, v: Any) -> Any:
-    """A decision field as its column's value (a wrong type: NULL, the report skips it)."""
-    if v is None:
-        return None
-    if name in JSON_COLUMNS:
-        return _json(v)
-    if name == "applied":
-        return v if isinstance(v, bool) else None
-    if name in NUMBERS:
-        ok = isinstance(v, int | float) and not isinstance(v, bool)
-        return NUMBERS[name](v) if ok else None
-    return _text(v) if isinstance(v, str) else None
-
-
-def _record(row: Sequence[Any]) -> dict[str, Any]:
-    """A decision row as the decision line a JSONL log holds."""
-    rec: dict[str, Any] = {"type": "decision", "id": row[0]}
-    for name, v in zip(COLUMNS, row[1:-1], strict=True):
-        if v is None and name in ("preset", "prompt", "reply"):
-            continue  # absent in the log when absent here
-        if name == "applied" and v is not None:
-            v = bool(v)  # SQLite keeps a boolean as 0 or 1
-        rec[name] = _unjson(v) if name in JSON_COLUMNS else v
-    if row[-1]:
-        rec |= json.loads(row[-1])
-    return rec
