@@ -73,6 +73,21 @@ def serve(
         "never holds every seat and a later one starts at the engine's next step.",
         show_default=False,
     ),
+    max_prompt_tokens_per_request: int = typer.Option(
+        None,
+        envvar="STEERSERVE_MAX_PROMPT_TOKENS_PER_REQUEST",
+        help="Most prompt tokens one request may send (all its prompts, A/B arms twice); more is "
+        "a 400. A request's prefill delays every request behind it. Default: 8 x "
+        "--max-model-len.",
+        show_default=False,
+    ),
+    max_scored_tokens_per_request: int = typer.Option(
+        None,
+        envvar="STEERSERVE_MAX_SCORED_TOKENS_PER_REQUEST",
+        help="Most prompt tokens one request may score (echo with logprobs, prompt_logprobs); "
+        "more is a 400. Each costs a vocabulary of logits. Default: 2^28 / the vocabulary size.",
+        show_default=False,
+    ),
     ops_per_layer: int = typer.Option(
         DEFAULT_OPS_PER_LAYER,
         envvar="STEERSERVE_OPS_PER_LAYER",
@@ -242,7 +257,7 @@ def serve(
         keep_alive_seconds, open_admin, ab_split, ab_name, ab_log, ab_log_content,
         max_seqs_per_request, ops_per_layer, quantization, tool_call_parser,
         enable_auto_tool_choice, chat_template, tuple(ctx.args), tuple(preset), ab_preset,
-        ab_store, ab_store_spill,
+        ab_store, ab_store_spill, max_prompt_tokens_per_request, max_scored_tokens_per_request,
     )  # fmt: skip
     try:
         settings = so.settings(opts)

@@ -56,7 +56,11 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 @pytest.fixture(scope="module")
 def http(tiny_llama: Path, root: Path, disk: Path) -> Iterator[httpx.Client]:
     log = disk / "ab.jsonl"
-    srv = _start(_settings(tiny_llama, root, ab_log=str(log), ab_log_content=True))
+    # 12 prompts of 400 bytes a request: more prompt tokens than capacity.budget's default
+    settings = _settings(
+        tiny_llama, root, ab_log=str(log), ab_log_content=True, max_prompt_tokens_per_request=8192
+    )
+    srv = _start(settings)
     try:
         with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
             yield c

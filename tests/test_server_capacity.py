@@ -59,6 +59,28 @@ def test_one_client_holds_at_most_its_share_and_others_pass_it() -> None:
     run(go())
 
 
+def test_waiters_are_admitted_in_turn_so_a_large_one_is_not_starved() -> None:
+    async def go() -> None:
+        s = Seats(total=64, per_client=40)
+        a, b, c = [await s.take(x, n) for x, n in (("a", 20), ("b", 20), ("c", 10))]  # 50 of 56
+        large = asyncio.ensure_future(s.take("d", 30))  # 80 > 56: waits
+        await asyncio.sleep(0)
+        small = asyncio.ensure_future(s.take("e", 6))  # would fit (56), but comes after it
+        await asyncio.sleep(0.01)
+        assert not large.done() and not small.done()
+        s.release(c)  # 40 in use: the large one still does not fit, and the small one waits
+        await asyncio.sleep(0.01)
+        assert not large.done() and not small.done() and s.in_use == 40
+        s.release(a)  # 20: both in turn
+        assert (await asyncio.wait_for(large, 1)) is not None
+        assert (await asyncio.wait_for(small, 1)) is not None and s.in_use == 56
+        for t in (b, await large, await small):
+            s.release(t)
+        assert s.in_use == 0
+
+    run(go())
+
+
 def test_a_wait_ends_in_429_naming_the_limit_and_leaks_nothing() -> None:
     async def go() -> None:
         s = Seats(total=8, per_client=4, max_wait=0.05, max_waiting=1)

@@ -416,7 +416,7 @@ def test_d12_half_sent_requests_are_cut_off_idle_connections_kept(server: Server
     its body, and 10 that send nothing are all closed by the server soon after the deadline
     (408 where no response had begun); an idle keep-alive connection between two requests
     outlives the deadline."""
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     body_head = head + b"Content-Length: 1000\r\n\r\n" + b'{"model": "llama", '
     socks = []
     for payload in [head[:30]] * 40 + [body_head] * 10 + [b""] * 10:
@@ -446,6 +446,25 @@ def test_d12_half_sent_requests_are_cut_off_idle_connections_kept(server: Server
             time.sleep(REQUEST_TIMEOUT + 1)
     finally:
         conn.close()
+
+
+def test_d12_a_half_body_refused_before_it_was_read_is_closed_at_the_deadline(
+    server: Server,
+) -> None:
+    """Issue 44: a request refused before the app reads its body (a foreign Host on this
+    keyless loopback server, 403) whose client never sends the rest is closed at the deadline,
+    not held open waiting for the body."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: attacker.example\r\n"
+    socks = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(head + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        socks.append(s)
+    until = time.monotonic() + REQUEST_TIMEOUT + 10
+    answers = [_answer_at_close(s, until) for s in socks]
+    for raw, _ in answers:
+        assert raw is not None, "connection still open"
+        assert raw.startswith(b"HTTP/1.1 403"), raw[:100]
 
 
 def _answer_at_close(s: socket.socket, until: float) -> tuple[bytes | None, float]:
@@ -484,7 +503,7 @@ def test_d12_unfinished_bodies_are_answered_408_and_counted_as_408_slow_apps_are
     ``connection: close`` at the deadline, then closed; the app, which was reading the body,
     counts them as 408, not as clients gone (499). A request sent in full whose app takes
     longer than the deadline is answered, and its connection kept."""
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     start = b'{"model": "%s", ' % MODEL.encode()
     sized, chunked = (
         head + b"Content-Length: 1000\r\n\r\n",

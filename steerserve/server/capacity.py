@@ -157,8 +157,9 @@ class Seats:
         return t
 
     def release(self, t: Ticket | None) -> None:
-        """Give a ticket's seats back and admit the waiters that now fit, in order (a waiter whose
-        client is at its share does not hold up the others)."""
+        """Give a ticket's seats back and admit the waiters that now fit, in order: the first one
+        short of shared seats holds up those behind it (no large request is starved by small
+        ones passing it), one held by its client's share holds up nobody."""
         if t is None or t.released:
             return
         t.released = True
@@ -173,6 +174,8 @@ class Seats:
                 self._queue.remove(w)
                 self._hold(w.ticket)
                 w.ready.set_result(None)
+            elif self._within_share(w.ticket):
+                break
 
 
 def _busy(why: str) -> ApiError:

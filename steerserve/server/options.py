@@ -69,6 +69,8 @@ class ServeOptions:
     ab_preset: str | None = None
     ab_store: str | None = None  # sqlite:///PATH or postgresql://... (server/ab_store)
     ab_store_spill: str | None = None
+    max_prompt_tokens_per_request: int | None = None  # None: capacity.budget's
+    max_scored_tokens_per_request: int | None = None
 
 
 #: Engine fields steerserve sets from its own options or needs for steering: refused as
@@ -172,6 +174,12 @@ def check_experiment(split: float, name: str, log: str | None, store: str | None
             raise OptionError(str(e), "--ab-store") from None
 
 
+def _positive(value: int | None, option: str) -> int | None:
+    if value is not None and value < 1:
+        raise OptionError(f"must be at least 1, not {value}", option)
+    return value
+
+
 def check_seqs_per_request(cap: int | None, max_num_seqs: int) -> None:
     """A cap from 1 to the engine's seats: above it, one request could hold every seat and
     everyone behind it would wait for all of it."""
@@ -240,6 +248,12 @@ def settings(opts: ServeOptions) -> ServerSettings:
         ab_log_content=opts.ab_log_content,
         ab_store=opts.ab_store or None,
         ab_store_spill=opts.ab_store_spill or None,
+        max_prompt_tokens_per_request=_positive(
+            opts.max_prompt_tokens_per_request, "--max-prompt-tokens-per-request"
+        ),
+        max_scored_tokens_per_request=_positive(
+            opts.max_scored_tokens_per_request, "--max-scored-tokens-per-request"
+        ),
         tool_call_parser=opts.tool_call_parser,
         enable_auto_tool_choice=opts.enable_auto_tool_choice,
         chat_template=opts.chat_template,

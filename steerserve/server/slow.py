@@ -4,7 +4,8 @@ uvicorn times out idle keep-alive connections only: a client that opens a connec
 half a request head, or trickles its body, holds a connection (and a file descriptor) forever,
 400 of them as long as it likes. The protocol here closes such a connection at the deadline,
 answering 408 (OpenAI's format, ``connection: close``) when no response has begun, whether the
-head or the body is unfinished; one whose response is under way is closed only. The app, still
+head or the body is unfinished; one whose response is under way or done is closed only (a
+request refused before its body was read, a wrong key or Host, must not hold it either). The app, still
 waiting for the body, sees the request end in an :class:`ApiError` 408 (not a hang-up, 499), so
 its metrics and logs count what the client was answered.
 """
@@ -90,7 +91,7 @@ def timed_protocol(seconds: float) -> type[asyncio.Protocol]:
             if cycle is self._since:  # its head never arrived in full
                 self.transport.write(TIMEOUT_RESPONSE)
                 self.transport.close()
-            elif cycle.more_body and not cycle.response_complete:  # its body never did
+            elif cycle.more_body:  # its body never did (answered early or not: 401, 403)
                 # A request queued behind another (pipelined) would read the 408 as the answer
                 # to that one: closed only, like one whose response has begun.
                 if not cycle.response_started and not getattr(self, "pipeline", None):

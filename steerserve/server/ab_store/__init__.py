@@ -60,13 +60,34 @@ def open_store(url: str, migrate: bool = True) -> Store:
         raise ValueError(str(e)) from None
     try:
         if migrate:
-            store.migrate()
+            _migrate(store, scheme)
         elif store.version() == 0:
             raise StoreError(f"{store.shown}: no experiment store there (no steerserve schema)")
     except (StoreError, StoreUnavailable) as e:
         store.close()
         raise ValueError(f"cannot use the experiment store {e}") from None
     return store
+
+
+#: Seconds a start waits for a SQLite file another process holds locked (replicas starting
+#: together, one migrating): a bound for a busy machine; the lock's release ends the wait.
+LOCKED_WAIT = 120.0
+
+
+def _migrate(store: Store, scheme: str) -> None:
+    """``store.migrate()``; a SQLite file locked by another process is waited for, since the
+    lock frees itself (an unreachable PostgreSQL server does not: it fails the start at once)."""
+    import time
+
+    deadline = time.monotonic() + LOCKED_WAIT
+    while True:
+        try:
+            store.migrate()
+            return
+        except StoreUnavailable:
+            if scheme != "sqlite" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _backend(url: str, scheme: str) -> Store:
