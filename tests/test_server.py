@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,27 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+@contextmanager
+def tiny_http(model: Path, vectors: Path, **settings: Any) -> Iterator[httpx.Client]:
+    """A client of a started server on the tiny Llama (float32, 512 tokens, 64 MiB of KV) with
+    the tiny artifact written to ``vectors`` and the test key; ``settings``: more ServerSettings."""
+    from steerserve.engine.api import EngineConfig
+    from steerserve.server import ServerSettings, create_app
+
+    make_artifact(vectors, model, "v1", seed=0)
+    cfg = EngineConfig(
+        model=str(model), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
+    )
+    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors), api_key=KEY, **settings))
+    srv = Server(app)
+    srv.start()
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            yield c
+    finally:
+        srv.stop()
 
 
 def _answers(url: str) -> bool:

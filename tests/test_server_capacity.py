@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import AUTH, KEY, MODEL, Server, make_artifact
+from test_server import MODEL, tiny_http
 
 from steerserve.server.capacity import Budget, Seats, budget, reserved
 from steerserve.server.errors import ApiError
@@ -120,26 +120,9 @@ def test_prompt_work_caps_name_their_field() -> None:
 
 @pytest.fixture(scope="module")
 def http(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    vectors = tmp_path_factory.mktemp("vectors")
-    make_artifact(vectors, tiny_llama, "v1", seed=0)
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(vectors),
-        api_key=KEY,
-        max_prompt_tokens_per_request=400,
-        max_scored_tokens_per_request=100,
-    )
-    srv = Server(create_app(settings))
-    srv.start()
-    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+    caps = {"max_prompt_tokens_per_request": 400, "max_scored_tokens_per_request": 100}
+    with tiny_http(tiny_llama, tmp_path_factory.mktemp("vectors"), **caps) as c:
         yield c
-    srv.stop()
 
 
 def test_a_request_over_its_prompt_work_is_a_400_naming_the_field(http: httpx.Client) -> None:

@@ -12,26 +12,15 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import AUTH, KEY, MODEL, Server, make_artifact
+from test_server import MODEL, tiny_http
 
 ON = f"{MODEL}:steering-on"
 
 
 @pytest.fixture(scope="module")
 def http(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    vectors = tmp_path_factory.mktemp("vectors")
-    make_artifact(vectors, tiny_llama, "v1", seed=0)
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    srv = Server(create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors), api_key=KEY)))
-    srv.start()
-    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+    with tiny_http(tiny_llama, tmp_path_factory.mktemp("vectors")) as c:
         yield c
-    srv.stop()
 
 
 def score(http: httpx.Client, max_tokens: int = 0, **body: Any) -> tuple[list, dict]:
