@@ -11,13 +11,28 @@ from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER
 from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
 from steerserve.server.steering import DEFAULT_MODE
 
+# Help texts are plain text, not rich markup: "NAME[/VERSION]" is an argument's form, not a tag.
 app = typer.Typer(
-    help="steerserve: multilingual factual-recall steering for vLLM.", no_args_is_help=True
+    help="steerserve: multilingual factual-recall steering for vLLM.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from steerserve import __version__
+
+        typer.echo(f"steerserve {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Serve, build and evaluate steering vectors."""
 
 
@@ -310,6 +325,7 @@ def ab_report(
 vectors_app = typer.Typer(
     help="Inspect, verify and gate steering-vector artifacts (vectors/<model>/<version>/).",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(vectors_app, name="vectors")
 _ROOT_HELP = "Directory holding the artifacts (vectors/<model>/<version>/)."
