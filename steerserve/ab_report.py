@@ -280,6 +280,10 @@ def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
     return out
 
 
+#: The ``splits`` key of a split that holds for every experiment (``ab-report --split``).
+EVERY = "*"
+
+
 def build_report(
     rows: Sequence[Row],
     min_n: int = MIN_SCORED,
@@ -289,8 +293,9 @@ def build_report(
 ) -> dict[str, Any]:
     """The report of every experiment in ``rows``, overall and per detected language
     (``ignored``: the log's lines it does not stand on, said in the report; ``skipped_lines``
-    is their total; ``splits``: the share of subjects steered by experiment name, for the
-    sample-ratio check of those it names: the log does not record it; ``store``: an experiment
+    is their total; ``splits``: the share of subjects steered by experiment name (:data:`EVERY`
+    for any experiment), for the sample-ratio check of those it names: the log does not record
+    it; ``store``: an experiment
     store's own account of its replicas, records dropped before they reached it included)."""
     ignored = ignored or Ignored()
     splits = splits or {}
@@ -316,7 +321,7 @@ def build_report(
                 lang: _compare([r for r in mine if (r.language or "unknown") == lang], min_n)
                 for lang in langs
             },
-            "srm": sample_ratio(mine, splits.get(name)),
+            "srm": sample_ratio(mine, splits.get(name, splits.get(EVERY))),
         }
     return out
 

@@ -296,11 +296,20 @@ def ab_report(
     min_scored: int = typer.Option(
         30, min=2, help="Scored replies needed per arm before a winner is called."
     ),
+    split: float = typer.Option(
+        None,
+        "--split",
+        min=0.0,
+        max=1.0,
+        help="The share of subjects the server steered (its --ab-split): the sample-ratio "
+        "check compares it with the subjects seen per arm. Default: not checked.",
+        show_default=False,
+    ),
 ) -> None:
     """Who won the server's A/B experiment: per arm and detected language, requests, mean
     feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95.
     Exits 1 when records were skipped or dropped (the report says which)."""
-    from steerserve.ab_report import ignored_note, report, report_markdown, write_report
+    from steerserve.ab_report import EVERY, ignored_note, report, report_markdown, write_report
     from steerserve.server.ab_store import is_store_url, shown
 
     if not is_store_url(log) and not Path(log).is_file():
@@ -308,7 +317,7 @@ def ab_report(
     if out is not None and out.exists() and not out.is_dir():
         raise typer.BadParameter(f"{out} exists and is not a folder", param_hint="--out")
     try:
-        rep = report(log, min_n=min_scored)
+        rep = report(log, min_n=min_scored, splits=None if split is None else {EVERY: split})
     except ValueError as e:  # a store that cannot be read: said in one line
         raise typer.BadParameter(str(e), param_hint="LOG") from None
     log = shown(log) if is_store_url(log) else log

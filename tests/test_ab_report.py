@@ -138,3 +138,20 @@ def test_every_ignored_line_is_counted_torn_lines_and_orphan_feedback_too(tmp_pa
     assert rep["requests"] == 41
     arms = rep["experiments"]["e1"]["overall"]["arms"]
     assert arms["steered"]["score"]["n"] + arms["unsteered"]["score"]["n"] == 40
+
+
+def test_ab_report_checks_the_sample_ratio_against_a_given_split(tmp_path: Path) -> None:
+    """``ab-report --split``: the log does not record the split; given, the report compares it
+    with what the log shows (here 20 and 20 requests: as 0.5 says, far from 0.8)."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    path = tmp_path / "ab.jsonl"
+    _log(path, 40, 0.7, 0.5)
+    plain = CliRunner().invoke(app, ["ab-report", str(path)])
+    assert "not checked" in plain.output, plain.output
+    even = CliRunner().invoke(app, ["ab-report", str(path), "--split", "0.5"])
+    assert "not checked" not in even.output and "MISMATCH" not in even.output, even.output
+    skewed = CliRunner().invoke(app, ["ab-report", str(path), "--split", "0.8"])
+    assert "SAMPLE RATIO MISMATCH" in skewed.output, skewed.output
