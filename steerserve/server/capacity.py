@@ -9,9 +9,7 @@ request behind them for 245 s and grew the worker by 3.4 GB. A request's prompt 
 scored prompt tokens are therefore capped (:func:`budget`), counted over its engine calls as vLLM
 tokenizes them (the A/B endpoint's two arms twice): past a cap, a 400 naming the field.
 
-**Seats.**
-
-vLLM admits requests first come, first served until its ``max_num_seqs`` seats are taken: two
+**Seats.** vLLM admits requests first come, first served until its ``max_num_seqs`` seats are taken: two
 requests of ``n`` 32 from one client filled a 64-seat engine and a 1-token request behind them
 waited 95 s for a seat. vLLM has no per-client share or reservation (its priority policy only
 picks whom to preempt when KV runs out), so the front end keeps them, before the engine sees the
@@ -20,8 +18,8 @@ request:
 - a request of one sequence (a chat turn, a scoring request) is never held here;
 - requests of several sequences (``n``, several prompts, the A/B endpoint's two arms) together
   leave :func:`reserved` seats free, so a small request finds a seat at the engine's next step;
-- one client (its API key's user, else its ``user`` field, else its address) holds at most
-  ``per_client`` seats in such requests;
+- one client (its ``user`` field, else its address) holds at most ``per_client`` seats in
+  such requests;
 - a request that does not fit waits, first come first served, at most ``max_wait`` seconds, and
   at most ``max_waiting`` requests per client wait: past either, a 429 naming the limit.
 """

@@ -164,9 +164,10 @@ def repeat(body: dict[str, Any], n: int) -> None:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
 
-def check_sequences(ep: Endpoint, req: Any, cap: int) -> None:
-    """A 400 naming the field to lower when the request runs more than ``cap`` sequences: each
-    field has its own bound, but their product decides how long the engine is held."""
+def check_sequences(ep: Endpoint, req: Any, cap: int) -> int:
+    """The sequences the request runs; a 400 naming the field to lower when they are more than
+    ``cap``: each field has its own bound, but their product decides how long the engine is
+    held."""
     count, product, param = ep.sequences(req)
     if count > cap:
         raise ApiError(
@@ -175,6 +176,7 @@ def check_sequences(ep: Endpoint, req: Any, cap: int) -> None:
             param=param,
             code="too_many_sequences",
         )
+    return count
 
 
 def _prompt_list(req: P.CompletionRequest) -> list[Any]:

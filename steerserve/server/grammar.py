@@ -45,10 +45,12 @@ def grammars(req: Any) -> dict[str, Any]:
     return out
 
 
-def check(req: Any) -> None:
-    """A 400 naming the field when the request's grammars or stop ids exceed their bounds."""
+def check(req: Any) -> str | None:
+    """A 400 naming the field when the request's grammars or stop ids exceed their bounds; else
+    the field of its first grammar (what an engine-side compile failure is reported against)."""
     total = 0
-    for name, value in grammars(req).items():
+    found = grammars(req)
+    for name, value in found.items():
         total += len(_text(value))
         if total > MAX_GRAMMAR_CHARS:
             raise ApiError(
@@ -63,3 +65,4 @@ def check(req: Any) -> None:
             f"stop_token_ids: {len(stops)} ids; at most {MAX_STOP_TOKEN_IDS} per request",
             param="stop_token_ids",
         )
+    return next(iter(found), None)

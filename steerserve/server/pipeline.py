@@ -78,14 +78,14 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         req.steering = preset.spec  # explicit steering from here on (never enrolled)
         call.preset = preset.id
     ep.admit(req)
-    grammar.check(req)
+    grammar_field = grammar.check(req)
     settings = state.settings
-    check_sequences(
+    sequences = check_sequences(
         ep, req, seqs_per_request(settings.engine.max_num_seqs, settings.max_seqs_per_request)
     )
     backend = state.backend
     backend.check_size(*ep.size(req))
-    call.seats = await state.seats.take(client_of(request, req), ep.sequences(req)[0])
+    call.seats = await state.seats.take(client_of(request, req), sequences)
     texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
     spec, call.experiment = enrol(state, request, req, ep)
     per_prompt = await steer_prompts(state, spec, texts, ep.ab, scores_prompt(req))
@@ -123,7 +123,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             gens,
             call.experiment,
             work,
-            next(iter(grammar.grammars(req)), None),
+            grammar_field,
         )
         for a in range(len(arms))
     ]
