@@ -14,7 +14,7 @@ the subject stands alone or in apposition ("страны Франция").
 
 from __future__ import annotations
 
-from steerserve.research.facts import Fact, shots_for
+from steerserve.research.facts.dataset import Fact, shots_for
 
 #: "Answer with the name only", in each language of the fact set.
 INSTRUCTION: dict[str, str] = {

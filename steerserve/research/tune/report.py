@@ -36,7 +36,7 @@ def verdict(gates: Mapping[str, Any], test: Mapping[str, Any]) -> str:
 
 def build(ctx: Any) -> dict[str, Any]:
     """The report's data, from the work folder's stage outputs."""
-    from steerserve.research.tune.stages import read_json
+    from steerserve.research.tune.files import read_json
 
     w = ctx.work
     cal, gates, test = (read_json(w / f) for f in ("calibration.json", "gates.json", "test.json"))

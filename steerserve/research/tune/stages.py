@@ -13,7 +13,6 @@ and each output is written whole or not at all, so an interrupted run leaves no 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -23,19 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research.tune.config import Parts, TuneConfig
+from steerserve.research.tune.files import read_json, write_json
 
 Log = Callable[[str], None]
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as JSON at ``path``, atomically (a temp file renamed over it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 @dataclass

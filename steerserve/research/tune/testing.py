@@ -36,7 +36,7 @@ def run_test(ctx: Any) -> None:
     from steerserve.artifacts import load_artifact
     from steerserve.research import evaluate as ev
     from steerserve.research.replies import budget, judge, write_replies
-    from steerserve.research.tune.stages import write_json
+    from steerserve.research.tune.files import write_json
 
     records = ctx.parts.test
     art = load_artifact(ctx.artifact_dir, model_dir=ctx.model_dir)
