@@ -354,7 +354,8 @@ def context_files() -> list[str]:
 
 def test_build_context() -> None:
     files = set(context_files())
-    must = {"pyproject.toml", "deploy/install-cpu.sh", "deploy/bake-model.py"}
+    # setup.py: the build step that puts the shipped vectors into the wheel
+    must = {"pyproject.toml", "setup.py", "deploy/install-cpu.sh", "deploy/bake-model.py"}
     must.add("steerserve/__init__.py")
     must |= {"steerserve/engine/plugin.py", "steerserve/cli.py"}
     if (ROOT / "README.md").is_file():  # pyproject's readme
