@@ -17,11 +17,12 @@ and its 95 % t-interval over rounds. At the end the store's queue must be empty 
 must equal the store arm's answered requests. Last, in this process, the store's own cost per
 record: the time a request spends recording it, and the CPU to write it.
 
-The tiny model is used because the small embedded model needs the whole CPU for itself: on this
-2-core machine it would measure the model, not the store; the tiny one makes the per-request
-cost of the store as visible as it can be (a heavier model only dilutes it).
+``--model tiny`` (default) serves a random tiny Llama: the per-request cost of the store as
+visible as it can be. ``--model gemma-3-270m`` serves the small embedded model with its shipped
+vectors, the issue's target (there the model's own time dilutes the store's).
 
-    .venv/bin/python bench/ab_store.py [--rounds 8] [--requests 320] [--clients 32] [--tokens 8]
+    .venv/bin/python bench/ab_store.py [--model gemma-3-270m] [--rounds 8] [--requests 320]
+        [--clients 32] [--tokens 8]
 """
 
 from __future__ import annotations
@@ -52,11 +53,15 @@ T95 |= {10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.
 T95 |= {18: 2.101, 19: 2.093, 20: 2.086, 23: 2.069, 29: 2.045}
 
 
-def start(arm: str, model: Path, vectors: Path, store: str | None, logs: Path) -> Proc:
+def start(arm: str, model: Path | str, vectors: Path | None, store: str | None, logs: Path) -> Proc:
+    """One server of the pair: the tiny model (a folder, with its artifact) in float32, or an
+    embedded model by name with its shipped vectors and the server's own dtype."""
     port = str(_free_port())
     cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model), "--port", port]
-    cmd += ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
-    cmd += ["--vectors-dir", str(vectors), "--log-level", "warning", "--api-key", KEY]
+    cmd += ["--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
+    if vectors is not None:
+        cmd += ["--dtype", "float32", "--vectors-dir", str(vectors)]
+    cmd += ["--log-level", "warning", "--api-key", KEY]
     cmd += ["--ab-split", "0.5", "--ab-name", "bench", "--served-model-name", "tiny"]
     if store:
         cmd += ["--ab-store", store]
@@ -140,6 +145,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=320, help="per round and arm")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (a random tiny Llama: the store's cost as visible as it gets) or an embedded "
+        "model's name, e.g. gemma-3-270m (the issue's small model, with its shipped vectors)",
+    )
     ap.add_argument("--store", help="the store URL (default: a SQLite file in a temp folder)")
     ap.add_argument("--micro", type=int, default=20000, help="records for the per-record cost")
     ap.add_argument(
@@ -151,7 +162,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ab-store-") as tmp:
         root = Path(tmp)
-        model, vectors = _tiny(root)
+        model, vectors = _tiny(root) if a.model == "tiny" else (a.model, None)
         store = a.store or f"sqlite:///{root}/ab.db"
         arms = (("off", None), ("store", None if a.control else store))
         procs = {arm: start(arm, model, vectors, s, root) for arm, s in arms}
@@ -169,6 +180,7 @@ def main() -> None:
     p50 = interval([r["store"]["p50_ms"] / r["off"]["p50_ms"] for r in rows])
     cpu = interval([r["store"]["cpu_ms"] / r["off"]["cpu_ms"] for r in rows])
     out = {
+        "model": a.model,
         "cpu": cpu_info(),
         "cores": os.cpu_count(),
         "store": "none (control)" if a.control else store.split("://")[0],
