@@ -569,8 +569,8 @@ def test_the_4bit_checkpoint_is_written_when_asked_for(fake, monkeypatch) -> Non
 def test_without_the_embedded_extra_a_start_says_how_to_get_it(fake, monkeypatch) -> None:
     """An embedded model whose chunk packages are not installed (and that has no conversion in
     the cache) is refused before anything is written, naming the extra; the serve options turn
-    it into an error of the model option, not a traceback."""
-    from steerserve.server.options import OptionError, ServeOptions, settings
+    it into an error of the model option (a usage error at start), not a traceback."""
+    from steerserve.server import options
 
     spec, _ = fake
     gone = Chunk("steerserve-fake-never-installed", "9.9.9", "x/data/part09.bin")
@@ -579,6 +579,5 @@ def test_without_the_embedded_extra_a_start_says_how_to_get_it(fake, monkeypatch
         models.resolve_model(spec.name)
     assert "steerserve-fake-never-installed==9.9.9" in str(e.value)
     assert cache_contents() == []
-    monkeypatch.setattr("os.environ", dict(os.environ))  # settings() binds the CPU threads
-    with pytest.raises(OptionError, match=r"pip install 'steerserve\[embedded\]'"):
-        settings(ServeOptions(model=spec.name))
+    with pytest.raises(options.OptionError, match=r"pip install 'steerserve\[embedded\]'"):
+        options._model_dir(spec.name)
