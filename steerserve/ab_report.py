@@ -272,11 +272,13 @@ def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
         out["note"] = (
             "not checked: the split is not in the log (the server's /experiments report checks it)"
         )
-        return out
-    check = ab_stats.srm(counts[STEERED], counts[UNSTEERED], split, unit=out["unit"])
-    out.update({k: check[k] for k in ("observed_share", "p_value", "checked", "flagged")})
-    if not check["checked"]:
-        out["note"] = "not checked: too few to test"
+    else:
+        check = ab_stats.srm(counts[STEERED], counts[UNSTEERED], split, unit=out["unit"])
+        out.update({k: check[k] for k in ("observed_share", "p_value", "checked", "flagged")})
+        if not check["checked"]:
+            out["note"] = "not checked: too few to test"
+    # The words, here once: the markdown report and the live page both show these.
+    out["summary"], out["warning"] = srm_line(out), srm_warning(out)
     return out
 
 

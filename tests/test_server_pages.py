@@ -239,6 +239,12 @@ def test_experiments_page_is_live_and_ab_report(
     md = Path(dl.value.path()).read_text()
     rep_md = ab_report.report(root / "ab.jsonl", splits={NAME: 0.5})  # the server's split
     assert md == ab_report.report_markdown(rep_md) and "Sample ratio: " in md
+    # the sample-ratio check on the page, in the report's words (the server knows the split)
+    srm = rep_md["experiments"][NAME]["srm"]
+    assert srm["split"] == 0.5 and srm["warning"] is None
+    srm_p = page.locator(f"section[data-experiment='{NAME}'] p.srm")
+    assert srm_p.text_content() == f"Sample ratio: {srm['summary']}."
+    assert "warn" not in srm_p.get_attribute("class")
     with page.expect_download() as dl:
         page.click("button[data-format='png']")
     assert Path(dl.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -87,10 +87,16 @@
     for (const [label, cmp] of [["all", o], ...Object.entries(exp.per_language)]) {
       rows.push(...ARMS.map((arm) => armRow(label, arm, cmp.arms[arm])), diffRow(label, cmp));
     }
+    // the sample-ratio check, in the report's own words; loud when the split is not what was assigned
+    const srm = exp.srm
+      ? el("p", { class: exp.srm.warning ? "srm warn" : "srm muted", text: exp.srm.warning || "Sample ratio: " + exp.srm.summary + "." })
+      : null;
     return el("section", { class: "exp", "data-experiment": name },
       el("h2", {}, `Experiment ${name} `, badge),
+      ...(srm && exp.srm.warning ? [srm] : []),
       el("p", { class: "verdict", text: "Verdict: " + o.verdict + "." }),
-      el("table", { class: "report" }, head, ...rows));
+      el("table", { class: "report" }, head, ...rows),
+      ...(srm && !exp.srm.warning ? [srm] : []));
   }
 
   function recent(snap) {
@@ -110,7 +116,7 @@
     const rep = snap.report;
     const out = [];
     if (rep) {
-      out.push(el("p", { class: "muted", text: `${rep.requests} logged requests, ${rep.not_enrolled} not enrolled. A winner needs ${rep.min_scored_per_arm} scored replies per arm and a 95 % CI of the difference that excludes 0.` }));
+      out.push(el("p", { class: "muted", text: `${rep.requests} logged requests, ${rep.not_enrolled} not enrolled. A winner needs ${rep.min_scored_per_arm} scored replies per arm and an always-valid 95 % CI of the difference (mSPRT: it stays valid however often this page refreshes) that excludes 0; the difference rows show that CI.` }));
       for (const [name, exp] of Object.entries(rep.experiments)) out.push(experiment(name, exp));
       if (!Object.keys(rep.experiments).length) out.push(el("p", { text: "No enrolled requests in the log yet." }));
     }
