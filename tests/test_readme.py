@@ -1,7 +1,8 @@
 """The README is a one-page front door that stays true (issue 46 item 1).
 
-No engine, no server: the README's shell commands are read out of its ```bash/```sh blocks and
-its inline `steerserve ...` spans, and every `steerserve` command in them is checked against the
+No engine, no server: the README's shell commands (and those of the guides in docs/) are read out
+of their ```bash/```sh blocks and inline `steerserve ...` spans, and every `steerserve` command in
+them is checked against the
 installed CLI's own help (rendered at COLUMNS=80, as a user reads it): the subcommand exists,
 every --flag it cites is one of that command's options, and it is given no more positional
 arguments than its usage line takes. Every relative link of README.md and docs/*.md points at a
@@ -84,9 +85,9 @@ def commands_in(line: str) -> list[list[str]]:
     return found
 
 
-def readme_commands() -> list[list[str]]:
-    """Every `steerserve` command the README shows: in its shell blocks, and inline."""
-    text = README.read_text()
+def readme_commands(path: Path = README) -> list[list[str]]:
+    """Every `steerserve` command a page shows: in its shell blocks, and inline."""
+    text = path.read_text()
     cmds: list[list[str]] = []
     for block in shell_blocks(text):
         for line in shell_lines(block):
@@ -123,11 +124,15 @@ def option_names(help_: str) -> set[str]:
 
 
 def takes_value(help_: str, flag: str) -> bool:
-    """An option followed by a metavar in its help line (`--port <int>`, `--out PATH`)."""
-    return (
-        re.search(rf"(?<![\w-]){re.escape(flag)}(?:\s+<|\s+[A-Z][A-Z_|\[\]]*\b|=)", help_)
-        is not None
-    )
+    """Whether the option's own line gives it a metavar (`--port <int>`, `--dtype [auto|...]`)
+    rather than none (`--open-admin`, `--enforce-eager / --compile`)."""
+    for line in help_.splitlines():
+        m = re.match(r"\s+(-\S.*?)(?:\s{2,}|$)", line)
+        words = m.group(1).replace(",", " ").split() if m else []
+        if flag in words:
+            after = words[words.index(flag) + 1 : words.index(flag) + 2]
+            return bool(after) and after[0] != "/" and not after[0].startswith("-")
+    return False
 
 
 def usage_arguments(help_: str, path: tuple[str, ...]) -> tuple[int, bool]:
@@ -180,6 +185,10 @@ def check_command(argv: list[str]) -> None:
 
 
 COMMANDS = readme_commands()
+# The guides the README links to (docs/*.md, not the results' records of past runs).
+DOC_COMMANDS = [
+    (doc.name, argv) for doc in sorted(DOCS.glob("*.md")) for argv in readme_commands(doc)
+]
 
 
 def test_the_readme_shows_steerserve_commands() -> None:
@@ -190,6 +199,13 @@ def test_the_readme_shows_steerserve_commands() -> None:
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a)[:60])
 def test_readme_command_matches_the_cli(argv: list[str]) -> None:
+    check_command(argv)
+
+
+@pytest.mark.parametrize(
+    ("doc", "argv"), DOC_COMMANDS, ids=lambda x: x if isinstance(x, str) else " ".join(x)[:50]
+)
+def test_docs_command_matches_the_cli(doc: str, argv: list[str]) -> None:
     check_command(argv)
 
 
