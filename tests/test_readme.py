@@ -244,10 +244,37 @@ def relative_links(path: Path) -> list[str]:
     return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:|#", t)]
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces
+    to hyphens (a repeated heading's -1, -2 ... included)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_at_files(path: Path) -> None:
+    """Every link into the repository finds its file, and a #section of a markdown file its
+    heading (a same-page #section too)."""
     missing = [t for t in relative_links(path) if not (path.parent / t.split("#", 1)[0]).exists()]
     assert not missing, f"{path.relative_to(ROOT)}: links to nothing: {missing}"
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    broken = []
+    for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or "#" not in target:
+            continue
+        file, anchor = target.split("#", 1)
+        page = path.parent / file if file else path
+        if page.suffix == ".md" and anchor not in heading_anchors(page):
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)}: no such section: {broken}"
 
 
 def test_readme_fits_a_page() -> None:
