@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 import yaml
 
+from steerserve.server.settings import env_vars
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -52,44 +54,8 @@ PIP_BUILD_ARGS = (
 IMAGE_UID = 10001
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
-# The `steerserve serve` contract: every option's environment variable.
-SERVE_ENV = {
-    "STEERSERVE_MODEL",
-    "STEERSERVE_VECTORS_DIR",
-    "STEERSERVE_HOST",
-    "STEERSERVE_PORT",
-    "STEERSERVE_DTYPE",
-    "STEERSERVE_MAX_MODEL_LEN",
-    "STEERSERVE_KV_CACHE_BYTES",
-    "STEERSERVE_GPU_MEMORY_UTILIZATION",
-    "STEERSERVE_MAX_NUM_SEQS",
-    "STEERSERVE_MAX_SEQS_PER_REQUEST",
-    "STEERSERVE_MAX_PROMPT_TOKENS_PER_REQUEST",
-    "STEERSERVE_MAX_SCORED_TOKENS_PER_REQUEST",
-    "STEERSERVE_OPS_PER_LAYER",
-    "STEERSERVE_QUANTIZATION",
-    "STEERSERVE_TENSOR_PARALLEL_SIZE",
-    "STEERSERVE_PIPELINE_PARALLEL_SIZE",
-    "STEERSERVE_DISTRIBUTED_EXECUTOR_BACKEND",
-    "STEERSERVE_ENFORCE_EAGER",
-    "STEERSERVE_API_KEY",
-    "STEERSERVE_STEERING",
-    "STEERSERVE_SERVED_MODEL_NAME",
-    "STEERSERVE_LOG_LEVEL",
-    "STEERSERVE_DRAIN_SECONDS",
-    "STEERSERVE_KEEP_ALIVE_SECONDS",
-    "STEERSERVE_OPEN_ADMIN",
-    "STEERSERVE_AB_SPLIT",
-    "STEERSERVE_AB_NAME",
-    "STEERSERVE_AB_LOG",
-    "STEERSERVE_AB_LOG_CONTENT",
-    "STEERSERVE_AB_STORE",
-    "STEERSERVE_AB_STORE_SPILL",
-    "STEERSERVE_AB_PRESET",
-    "STEERSERVE_TOOL_CALL_PARSER",
-    "STEERSERVE_ENABLE_AUTO_TOOL_CHOICE",
-    "STEERSERVE_CHAT_TEMPLATE",
-}
+# The `steerserve serve` contract: every setting's environment variable (server/settings.py).
+SERVE_ENV = set(env_vars())
 # Read by steerserve.models (where the embedded model is converted to).
 OTHER_ENV = {"STEERSERVE_CACHE"}
 
@@ -772,17 +738,13 @@ def test_compose_profiles() -> None:
 
 
 def test_contract_matches_the_cli() -> None:
-    """The variables the deploy files and README use are the ones `steerserve serve` reads."""
-    import typer
+    """Every variable of the contract is named in `steerserve serve --help`."""
+    from typer.testing import CliRunner
 
     from steerserve.cli import app
 
-    cmd = typer.main.get_command(app)
-    serve = cmd.commands.get("serve")  # type: ignore[attr-defined]
-    if serve is None:
-        pytest.skip("this tree's CLI has no `serve` command yet")
-    envvars = {p.envvar for p in serve.params if p.envvar}
-    assert envvars == SERVE_ENV
+    out = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "400"}).output
+    assert {v for v in SERVE_ENV if v not in out} == set()
 
 
 def test_manifests_use_contract_variables() -> None:
@@ -794,9 +756,12 @@ def test_manifests_use_contract_variables() -> None:
 
 
 def test_readme_documents_every_variable() -> None:
+    """The settings are listed once, in the generated docs/configuration.md (tested to equal the
+    model's rendering); deploy/README.md links there and names every manifest."""
     readme = (DEPLOY / "README.md").read_text()
-    missing = {v for v in SERVE_ENV if f"`{v}`" not in readme}
-    assert not missing, missing
+    assert "docs/configuration.md" in readme
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert not {v for v in SERVE_ENV if f"`{v}`" not in page}
     for f in (
         "tensor-parallel.yaml",
         "multinode-ray.yaml",
@@ -813,8 +778,12 @@ def test_readme_documents_every_variable() -> None:
 @pytest.mark.parametrize(
     ("tp", "pp", "backend"), [(2, 1, None), (1, 2, "mp"), (8, 2, "ray")], ids=str
 )
-def test_engine_kwargs_pass_parallelism(tp: int, pp: int, backend: str | None) -> None:
+def test_engine_kwargs_pass_parallelism(
+    tp: int, pp: int, backend: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from steerserve.engine.api import EngineConfig, ModelShape, engine_kwargs
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # on GPUs: vLLM sizes the KV
 
     cfg = EngineConfig(
         model="m",
@@ -1070,7 +1039,7 @@ def test_cpu_venv_serves_chat_completions(cpu_venv: Path, tiny_llama: Path, tmp_
         "STEERSERVE_PORT": str(port),
         "STEERSERVE_DTYPE": "float32",
         "STEERSERVE_MAX_MODEL_LEN": "512",
-        "STEERSERVE_KV_CACHE_BYTES": str(64 << 20),
+        "STEERSERVE_KV_CACHE_MEMORY_BYTES": str(64 << 20),
         "STEERSERVE_MAX_NUM_SEQS": "8",
         "STEERSERVE_STEERING": "auto",
         "STEERSERVE_API_KEY": key,

@@ -145,12 +145,12 @@ def test_bad_presets_refuse_to_start(tiny_llama: Path, root: Path) -> None:
     that collides, fails the start with the reason."""
     import asyncio
 
-    from steerserve.server.options import OptionError, ServeOptions, settings
+    from steerserve.server.options import OptionError, read, settings
     from steerserve.server.state import ServerState
 
     for bad in ("nospec", "x={not json", 'x={"interventions": {}}', f"{MODEL}:steering-on=on"):
         with pytest.raises(OptionError) as e:
-            settings(ServeOptions(model=str(tiny_llama), presets=(bad,)))
+            settings(read({"model": str(tiny_llama), "preset": [bad]}))
         assert e.value.param == "--preset"
     for presets, why in (
         (('x={"interventions": {"nope": 1}}',), "nope"),

@@ -81,7 +81,7 @@ LOOK_ALIKE = "steering-\u043en"  # a Cyrillic о: looks like steering-on
 def test_preset_names_follow_one_rule(name: str, why: str, tiny_llama: Path) -> None:
     """``--preset NAME=SPEC``: a name outside the rule is refused naming the option, the rule
     and what broke it (a look-alike's character by its code point), never echoed whole."""
-    from steerserve.server.options import OptionError, ServeOptions, settings
+    from steerserve.server.options import OptionError, read, settings
 
     with pytest.raises(ValueError) as e:
         parse_option(f"{name}=on")
@@ -89,10 +89,10 @@ def test_preset_names_follow_one_rule(name: str, why: str, tiny_llama: Path) -> 
     assert why in message and PRESET_NAME_RULE in message, message
     assert len(message) < 400, len(message)
     with pytest.raises(OptionError) as o:
-        settings(ServeOptions(model=str(tiny_llama), presets=(f"{name}=on",)))
+        settings(read({"model": str(tiny_llama), "preset": [f"{name}=on"]}))
     assert o.value.param == "--preset" and PRESET_NAME_RULE in str(o.value)
     with pytest.raises(OptionError) as o:  # --ab-preset: the same rule, said the same way
-        settings(ServeOptions(model=str(tiny_llama), ab_preset=name))
+        settings(read({"model": str(tiny_llama), "ab_preset": name}))
     assert o.value.param == "--ab-preset" and PRESET_NAME_RULE in str(o.value)
     assert len(str(o.value)) < 400
 

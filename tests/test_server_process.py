@@ -90,7 +90,7 @@ class Serve:
             "STEERSERVE_PORT": str(self.port),
             "STEERSERVE_DTYPE": "float32",
             "STEERSERVE_MAX_MODEL_LEN": "1024",
-            "STEERSERVE_KV_CACHE_BYTES": str(64 << 20),
+            "STEERSERVE_KV_CACHE_MEMORY_BYTES": str(64 << 20),
             "STEERSERVE_API_KEY": KEY,
             "STEERSERVE_STEERING": "on",
             "STEERSERVE_SERVED_MODEL_NAME": "tiny",

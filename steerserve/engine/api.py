@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from steerserve import __version__
-from steerserve.engine import plugin, prefix, spec
+from steerserve.engine import defaults, plugin, prefix, spec
 from steerserve.engine.archs import SUPPORTED, steered_name
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
 from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
@@ -38,10 +38,11 @@ class EngineConfig:
     # the name vLLM's own metrics label the model with (None: the model's path)
     served_model_name: str | None = None
     dtype: str = "auto"
-    max_model_len: int | None = 2048
-    max_num_seqs: int = 64
+    max_model_len: int | None = defaults.MAX_MODEL_LEN
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
-    kv_cache_memory_bytes: int | None = 256 << 20
+    # None: defaults.CPU_KV_CACHE_MEMORY_BYTES on a CPU; on a GPU gpu_memory_utilization sizes it
+    kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: vLLM's default (mp); "ray" multi-node
@@ -107,8 +108,11 @@ def engine_kwargs(cfg: EngineConfig, shape: ModelShape) -> dict[str, Any]:
         kw["distributed_executor_backend"] = cfg.distributed_executor_backend
     if cfg.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if cfg.kv_cache_memory_bytes is not None:
-        kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    kv = cfg.kv_cache_memory_bytes
+    if kv is None and not torch.cuda.is_available():  # vLLM cannot size it from a CPU's memory
+        kv = defaults.CPU_KV_CACHE_MEMORY_BYTES
+    if kv is not None:
+        kw["kv_cache_memory_bytes"] = kv
     if cfg.steering:
         if shape.architecture not in SUPPORTED:
             raise ValueError(

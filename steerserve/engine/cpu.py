@@ -12,7 +12,7 @@ from pathlib import Path
 #: ``dtype=auto`` (bfloat16 for a float32 checkpoint) is compute-bound: 1.9 vs 3.3 tokens/s.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-#: CPU flags where ``--quantization auto`` serves 4-bit weights: where it was measured faster,
+#: CPU flags where ``--embedded-quantization auto`` serves 4-bit weights: where it was measured faster,
 #: i.e. single-stream decode and a 16-way burst both no slower than bfloat16 (a server default must
 #: not trade throughput under load for one stream's latency). None yet (docs/benchmarks.md, "4-bit
 #: weights"): on AVX-512 BF16 without AMX (AMD EPYC Zen 4) 166 vs 132 ms/token, bursts 0.49x; on
@@ -42,9 +42,6 @@ def serve_dtype(dtype: str, on_gpu: bool, flags: set[str] | None = None) -> str:
     return dtype if any(f in flags for f in BF16_FLAGS) else "float32"
 
 
-#: ``--quantization`` choices: ``auto`` (4-bit where the CPU serves it faster), ``none`` (the
-#: full-precision checkpoint), ``w4`` (the 4-bit checkpoint, or an error).
-QUANTIZATIONS = ("auto", "none", "w4")
 #: vLLM's switch between its two 4-bit CPU kernels on AMX (w4_kernel), read at weight loading.
 W4A8_ENV = "VLLM_CPU_INT4_W4A8"
 #: The dtypes vLLM's 4-bit CPU kernel computes in (AutoAWQConfig.get_supported_act_dtypes).
@@ -66,7 +63,7 @@ def w4_kernel(dtype: str, env: MutableMapping[str, str] | None = None) -> str:
 
 
 def serve_w4(choice: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
-    """Whether ``--quantization choice`` serves the 4-bit checkpoint where there is one. ``auto``:
+    """Whether ``--embedded-quantization choice`` serves the 4-bit checkpoint where there is one. ``auto``:
     on a CPU with one of W4_AUTO_FLAGS (where it was measured faster); never on a GPU."""
     if choice != "auto":
         return choice == "w4"

@@ -25,10 +25,10 @@ def check_ref(ref: str) -> None:
         )
 
 
-def admin_refusal(host: str, api_key: str | None, open_admin: bool) -> str | None:
+def admin_refusal(host: str, keyed: bool, open_admin: bool) -> str | None:
     """Why admin endpoints are refused: served beyond loopback with no API key and no opt-in,
     anyone who reaches the port could change what every client gets."""
-    if api_key or open_admin or loopback(host):
+    if keyed or open_admin or loopback(host):
         return None
     return (
         f"the server listens on {host!r} without an API key: set --api-key "
@@ -49,9 +49,9 @@ class AdminGate:
     page's name in ``Host``; no local client names another host. ``--open-admin`` opens the
     endpoints to whoever reaches the port, Host included (a local proxy passing its own Host)."""
 
-    def __init__(self, host: str, api_key: str | None, open_admin: bool) -> None:
-        self.refusal = admin_refusal(host, api_key, open_admin)
-        self.loopback_hosts_only = not api_key and not open_admin
+    def __init__(self, host: str, keyed: bool, open_admin: bool) -> None:
+        self.refusal = admin_refusal(host, keyed, open_admin)
+        self.loopback_hosts_only = not keyed and not open_admin
         # Every other keyed route (generation, feedback, the vectors listing): a server on
         # loopback without a key is reachable only from this machine, where a rebound page is
         # the one caller that names another host; a server beyond loopback without a key is

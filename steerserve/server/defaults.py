@@ -1,13 +1,5 @@
-"""Serving defaults shared by the CLI and ``ServerSettings``: one place for each, in a module
-that imports nothing heavy (the CLI must not load the server or vLLM to print its help)."""
-
-#: On SIGTERM/SIGINT: how long requests in flight may finish before the server stops.
-DRAIN_SECONDS = 300
-
-#: Idle HTTP connections are kept this long: longer than a proxy's idle timeout (60 s is common)
-#: and a busy client's lag, so the server never closes a connection a client is reusing
-#: (uvicorn's 5 s: 298 client ReadErrors in 3 min of bench/load.py at load 10; 75 s: 0).
-KEEP_ALIVE_SECONDS = 75
+"""Serving limits that are not ``steerserve serve`` settings (those: settings.py), in a module that
+imports nothing heavy."""
 
 #: A request must arrive in full (head and body) this soon after its first byte (or after the
 #: connection opens): a client that sends half a request is cut off with 408, not kept forever.

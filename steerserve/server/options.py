@@ -1,23 +1,23 @@
-"""``steerserve serve``'s options as the server's settings: checked, and the process prepared.
+"""``steerserve serve``'s settings (settings.py) as the server's: checked, and the process prepared.
 
 Why here and not in the CLI: which dtype a CPU gets, eager vs compiled, the KV cache sizing rule,
 binding every core and the refusal of a bad A/B experiment before the engine starts are server
 decisions; a supervisor or a test that starts the server in-process builds the same settings
-with :func:`settings`. A bad option is an :class:`OptionError` naming it.
+with :func:`read` and :func:`settings`. A bad option is an :class:`OptionError` naming it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from steerserve.engine.spec import DEFAULT_OPS_PER_LAYER, DEFAULT_ROWS_PER_REQUEST
-from steerserve.server.defaults import DRAIN_SECONDS, KEEP_ALIVE_SECONDS
+from pydantic import ValidationError
+
+from steerserve.server.settings import ENGINE_SETTINGS, FIELDS, ServeSettings, env_var, flag, flags
 from steerserve.server.state import ServerSettings
-from steerserve.server.steering import DEFAULT_MODE, MODES
 
 logger = logging.getLogger(__name__)
 
@@ -31,62 +31,9 @@ class OptionError(ValueError):
         self.param = param
 
 
-@dataclass
-class ServeOptions:
-    """``steerserve serve``'s options as given (see cli.py for their help)."""
-
-    model: str = "default"
-    vectors_dir: str | None = None  # None: vectors/ of the source tree or image
-    host: str = "127.0.0.1"
-    dtype: str = "auto"
-    max_model_len: int = 2048
-    kv_cache_bytes: int = 1 << 30  # 0: vLLM sizes it from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    enforce_eager: bool | None = None  # None: eager on CPU, compiled on GPU
-    api_key: str | None = None
-    steering: str = DEFAULT_MODE
-    served_model_name: str | None = None
-    log_level: str = "info"
-    drain_seconds: int = DRAIN_SECONDS
-    keep_alive_seconds: int = KEEP_ALIVE_SECONDS
-    open_admin: bool = False
-    ab_split: float = 0.0
-    ab_name: str = "default"
-    ab_log: str | None = None
-    ab_log_content: bool = False
-    max_seqs_per_request: int | None = None  # None: half of max_num_seqs (defaults.py)
-    ops_per_layer: int = DEFAULT_OPS_PER_LAYER
-    quantization: str = "auto"  # engine.cpu.QUANTIZATIONS
-    tool_call_parser: str | None = "auto"
-    enable_auto_tool_choice: bool | None = None
-    chat_template: str | None = None
-    engine_args: tuple[str, ...] = ()  # any other `vllm serve` engine flag (vllm_engine_args)
-    presets: tuple[str, ...] = ()  # NAME=SPEC (presets.py)
-    ab_preset: str | None = None
-    ab_store: str | None = None  # sqlite:///PATH or postgresql://... (server/ab_store)
-    ab_store_spill: str | None = None
-    max_prompt_tokens_per_request: int | None = None  # None: capacity.budget's
-    max_scored_tokens_per_request: int | None = None
-
-
-#: Engine fields steerserve sets from its own options or needs for steering: refused as
+#: Engine fields steerserve sets from its own settings or needs for steering: refused as
 #: pass-through flags (the message names the serve option to use instead).
-OWN_ENGINE_FIELDS = {
-    "model": "--model",
-    "dtype": "--dtype",
-    "max_model_len": "--max-model-len",
-    "max_num_seqs": "--max-num-seqs",
-    "kv_cache_memory_bytes": "--kv-cache-bytes",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-    "tensor_parallel_size": "--tensor-parallel-size",
-    "pipeline_parallel_size": "--pipeline-parallel-size",
-    "distributed_executor_backend": "--distributed-executor-backend",
-    "enforce_eager": "--enforce-eager/--compile",
-    "served_model_name": "--served-model-name",
+OWN_ENGINE_FIELDS = {name: flags(name) for name in ENGINE_SETTINGS} | {
     "hf_overrides": "nothing (the steered architecture is set through it)",
     "additional_config": "nothing (the steering plugin's settings are kept in it)",
     "worker_extension_cls": "nothing (the steering worker extension)",
@@ -174,12 +121,6 @@ def check_experiment(split: float, name: str, log: str | None, store: str | None
             raise OptionError(str(e), "--ab-store") from None
 
 
-def _positive(value: int | None, option: str) -> int | None:
-    if value is not None and value < 1:
-        raise OptionError(f"must be at least 1, not {value}", option)
-    return value
-
-
 def check_seqs_per_request(cap: int | None, max_num_seqs: int) -> None:
     """A cap from 1 to the engine's seats: above it, one request could hold every seat and
     everyone behind it would wait for all of it."""
@@ -199,104 +140,125 @@ def _model_dir(model: str) -> Path:
         raise OptionError(str(e), "--model") from None
 
 
-def settings(opts: ServeOptions) -> ServerSettings:
-    """The settings of a server started from ``opts``, after checking them, configuring logging
-    at ``log_level`` and binding vLLM's CPU threads to every core (the environment is changed:
-    this prepares the process it runs in). The server exits on an engine failure."""
+def read(given: Mapping[str, Any] | None = None) -> ServeSettings:
+    """The settings: ``given`` (the command line's) over ``STEERSERVE_*`` variables over the
+    defaults, each parsed and bounded by the model; a bad one is an OptionError naming its flag."""
+    try:
+        return ServeSettings(**(given or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        where = "" if name in (given or {}) else f" (from {env_var(name)})"
+        param = flag(name) if name in FIELDS else None
+        raise OptionError(f"{err['msg']}, not {err['input']!r}{where}", param) from None
+
+
+def check_engine_config(cfg: Any) -> None:  # cfg: EngineConfig (lazy)
+    """vLLM's config built from ``cfg`` as the engine will build it, so that what vLLM refuses
+    (a ``--quantization`` this platform, checkpoint or dtype cannot run) stops the start with
+    vLLM's reason instead of failing the engine's load."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from steerserve.engine.api import ModelShape, engine_kwargs
+
+    try:
+        AsyncEngineArgs(**engine_kwargs(cfg, ModelShape.read(cfg.model))).create_engine_config()
+    except ValidationError as e:  # vLLM's config classes are pydantic models
+        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise OptionError(f"vLLM refuses the engine's configuration: {why}", None) from None
+    except ValueError as e:
+        raise OptionError(f"vLLM refuses the engine's configuration: {e}", None) from None
+
+
+def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSettings:
+    """The settings of a server started from ``s`` and vLLM engine flags ``engine_args``, after
+    checking them, configuring logging and binding vLLM's CPU threads to every core (the
+    environment is changed: this prepares the process it runs in). The server exits on an
+    engine failure."""
     from steerserve.artifacts import default_vectors_dir
 
-    if opts.steering not in MODES:
-        raise OptionError(f"--steering must be off, on or auto, not {opts.steering!r}", None)
-    check_experiment(opts.ab_split, opts.ab_name, opts.ab_log, opts.ab_store)
-    check_seqs_per_request(opts.max_seqs_per_request, opts.max_num_seqs)
-    if not 0 <= opts.ops_per_layer <= DEFAULT_ROWS_PER_REQUEST:  # a request holds no more
-        raise OptionError(
-            f"--ops-per-layer must be between 0 and {DEFAULT_ROWS_PER_REQUEST}, "
-            f"not {opts.ops_per_layer}",
-            "--ops-per-layer",
-        )
+    check_experiment(s.ab_split, s.ab_name, s.ab_log, s.ab_store)
+    check_seqs_per_request(s.max_seqs_per_request, s.max_num_seqs)
     logging.basicConfig(
-        level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    passed = vllm_engine_args(opts.engine_args)  # before the model: a typo costs nothing
-    check_presets(opts.presets, opts.ab_preset)
-    if opts.tool_call_parser not in ("auto", "none", None):
+    passed = vllm_engine_args(engine_args)  # before the model: a typo costs nothing
+    check_presets(tuple(s.preset), s.ab_preset)
+    if s.tool_call_parser not in ("auto", "none"):
         from steerserve.server.hosted import tool_parser_for
 
         try:
-            tool_parser_for(None, opts.tool_call_parser)
+            tool_parser_for(None, s.tool_call_parser)
         except ValueError as e:
             raise OptionError(str(e).split(": ", 1)[-1], "--tool-call-parser") from None
-    engine = _engine_config(opts, _model_dir(opts.model))
+    engine = _engine_config(s, _model_dir(s.model))
     engine.extra.update(passed)
+    if "quantization" in passed:  # vLLM's to accept or refuse, before the engine starts
+        check_engine_config(engine)
     return ServerSettings(
         engine=engine,
-        vectors_dir=opts.vectors_dir or default_vectors_dir(),
+        vectors_dir=s.vectors_dir or default_vectors_dir(),
         # the 4-bit checkpoint's folder is named w4: serve it under its model's name
-        served_model_name=opts.served_model_name or _w4_name(Path(engine.model)),
-        api_key=opts.api_key or None,
-        steering=opts.steering,
-        max_seqs_per_request=opts.max_seqs_per_request,
-        drain_seconds=opts.drain_seconds,
-        keep_alive_seconds=opts.keep_alive_seconds,
-        host=opts.host,
-        open_admin=opts.open_admin,
+        served_model_name=tuple(s.served_model_name) or _w4_name(Path(engine.model)),
+        api_key=tuple(s.api_key),
+        steering=s.steering,
+        max_seqs_per_request=s.max_seqs_per_request,
+        drain_seconds=s.drain_seconds,
+        keep_alive_seconds=s.keep_alive_seconds,
+        host=s.host,
+        open_admin=s.open_admin,
         exit_on_failure=True,
-        ab_split=opts.ab_split,
-        ab_name=opts.ab_name,
-        ab_log=opts.ab_log,
-        ab_log_content=opts.ab_log_content,
-        ab_store=opts.ab_store or None,
-        ab_store_spill=opts.ab_store_spill or None,
-        max_prompt_tokens_per_request=_positive(
-            opts.max_prompt_tokens_per_request, "--max-prompt-tokens-per-request"
-        ),
-        max_scored_tokens_per_request=_positive(
-            opts.max_scored_tokens_per_request, "--max-scored-tokens-per-request"
-        ),
-        tool_call_parser=opts.tool_call_parser,
-        enable_auto_tool_choice=opts.enable_auto_tool_choice,
-        chat_template=opts.chat_template,
-        presets=tuple(opts.presets),
-        ab_preset=opts.ab_preset,
+        ab_split=s.ab_split,
+        ab_name=s.ab_name,
+        ab_log=s.ab_log,
+        ab_log_content=s.ab_log_content,
+        ab_store=s.ab_store,
+        ab_store_spill=s.ab_store_spill,
+        max_prompt_tokens_per_request=s.max_prompt_tokens_per_request,
+        max_scored_tokens_per_request=s.max_scored_tokens_per_request,
+        tool_call_parser=s.tool_call_parser,
+        enable_auto_tool_choice=s.enable_auto_tool_choice,
+        chat_template=s.chat_template,
+        presets=tuple(s.preset),
+        ab_preset=s.ab_preset,
     )
 
 
-def _engine_config(opts: ServeOptions, model_dir: Path):  # noqa: ANN202 (EngineConfig: lazy)
+def _engine_config(s: ServeSettings, model_dir: Path):  # noqa: ANN202 (EngineConfig: lazy)
     """The engine's config: dtype ``auto`` is float32 on a CPU without native bfloat16, eager on
-    CPU and compiled on GPU unless told, and every core bound for the CPU ranks."""
+    CPU and compiled on GPU unless told, the KV cache as the engine sizes it unless given, and
+    every core bound for the CPU ranks."""
     import torch
 
     from steerserve.engine.api import EngineConfig
     from steerserve.engine.cpu import W4_DTYPES, bind_all_cores, serve_dtype, w4_kernel
 
     on_gpu = torch.cuda.is_available()
-    enforce_eager = (not on_gpu) if opts.enforce_eager is None else opts.enforce_eager
-    if (chosen := serve_dtype(opts.dtype, on_gpu)) != opts.dtype:
+    enforce_eager = (not on_gpu) if s.enforce_eager is None else s.enforce_eager
+    if (chosen := serve_dtype(s.dtype, on_gpu)) != s.dtype:
         logger.info("dtype auto: %s (no native bfloat16 on this CPU)", chosen)
-    w4 = _w4_dir(opts, model_dir, on_gpu)
+    w4 = _w4_dir(s, model_dir, on_gpu)
     if w4 is not None:
         model_dir = w4
         if chosen not in W4_DTYPES:  # only auto gets here: an explicit float32 was refused
             chosen = "bfloat16"
         kernel = "vLLM's GPU choice" if on_gpu else w4_kernel(chosen)
         logger.info("serving 4-bit weights: %s, computed in %s, kernel %s", w4, chosen, kernel)
-    ranks = opts.tensor_parallel_size * opts.pipeline_parallel_size
+    ranks = s.tensor_parallel_size * s.pipeline_parallel_size
     if bound := bind_all_cores(os.environ, on_gpu, ranks):
         logger.info("VLLM_CPU_OMP_THREADS_BIND=%s (every core)", bound)
-    kv = opts.kv_cache_bytes
     return EngineConfig(
         model=str(model_dir),
         dtype=chosen,
-        max_model_len=opts.max_model_len,
-        max_num_seqs=opts.max_num_seqs,
-        kv_cache_memory_bytes=kv or None,
-        gpu_memory_utilization=None if kv else opts.gpu_memory_utilization,
-        tensor_parallel_size=opts.tensor_parallel_size,
-        pipeline_parallel_size=opts.pipeline_parallel_size,
-        distributed_executor_backend=opts.distributed_executor_backend,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        kv_cache_memory_bytes=s.kv_cache_memory_bytes,  # None: engine_kwargs' rule
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        tensor_parallel_size=s.tensor_parallel_size,
+        pipeline_parallel_size=s.pipeline_parallel_size,
+        distributed_executor_backend=s.distributed_executor_backend,
         enforce_eager=enforce_eager,
-        ops_per_layer=opts.ops_per_layer,
+        ops_per_layer=s.ops_per_layer,
     )
 
 
@@ -307,28 +269,24 @@ def _w4_name(model: Path) -> str | None:
     return model.parent.name if w4_dir(model.parent) == model else None
 
 
-def _w4_dir(opts: ServeOptions, model_dir: Path, on_gpu: bool) -> Path | None:
+def _w4_dir(s: ServeSettings, model_dir: Path, on_gpu: bool) -> Path | None:
     """The 4-bit checkpoint to serve, or None for ``model_dir`` itself. ``w4`` that cannot be
     honoured is an OptionError naming why; ``auto`` falls back to full precision, saying why."""
-    from steerserve.engine.cpu import QUANTIZATIONS, W4_DTYPES, serve_w4
+    from steerserve.engine.cpu import W4_DTYPES, serve_w4
     from steerserve.models import w4_dir
 
-    if opts.quantization not in QUANTIZATIONS:
-        raise OptionError(
-            f"must be one of {', '.join(QUANTIZATIONS)}, not {opts.quantization!r}",
-            "--quantization",
-        )
-    if not serve_w4(opts.quantization, on_gpu):
+    choice = s.embedded_quantization
+    if not serve_w4(choice, on_gpu):
         return None
     w4 = w4_dir(model_dir)
     why = None
     if w4 is None:
         why = f"{model_dir} has no 4-bit checkpoint (written for the embedded chat model)"
-    elif opts.dtype not in ("auto", *W4_DTYPES):
-        why = f"4-bit weights compute in {' or '.join(W4_DTYPES)}, not --dtype {opts.dtype}"
-    if why and opts.quantization == "w4":
-        raise OptionError(why, "--quantization")
+    elif s.dtype not in ("auto", *W4_DTYPES):
+        why = f"4-bit weights compute in {' or '.join(W4_DTYPES)}, not --dtype {s.dtype}"
+    if why and choice == "w4":
+        raise OptionError(why, "--embedded-quantization")
     if why:
-        logger.info("quantization auto: full precision, %s", why)
+        logger.info("embedded quantization auto: full precision, %s", why)
         return None
     return w4

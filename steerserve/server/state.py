@@ -21,12 +21,7 @@ from steerserve.server import hosted
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
 from steerserve.server.capacity import Seats
-from steerserve.server.defaults import (
-    DRAIN_SECONDS,
-    KEEP_ALIVE_SECONDS,
-    REQUEST_TIMEOUT_SECONDS,
-    seqs_per_request,
-)
+from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
 from steerserve.server.experiment import (
@@ -43,7 +38,8 @@ from steerserve.server.experiment import (
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
-from steerserve.server.steering import DEFAULT_MODE, MODES, Off
+from steerserve.server.settings import default
+from steerserve.server.steering import MODES, Off
 from steerserve.server.vetting import check_artifacts, loadable
 
 logger = logging.getLogger("steerserve.server")
@@ -51,37 +47,53 @@ logger = logging.getLogger("steerserve.server")
 
 @dataclass
 class ServerSettings:
-    """What ``steerserve serve`` configures (see ``cli.py`` for the options and variables)."""
+    """What the server runs with: ``steerserve serve``'s settings (settings.py, where each is
+    declared and its default set) once checked, and the limits only code sets."""
 
     engine: EngineConfig
     vectors_dir: str | None = None
-    served_model_name: str | None = None
-    api_key: str | None = None
-    steering: str = DEFAULT_MODE  # default policy: off | on | auto
+    # the names clients pass as 'model': the first is reported, the rest are aliases (a str: one)
+    served_model_name: str | tuple[str, ...] | None = None
+    api_key: str | tuple[str, ...] | None = None  # any of them authenticates (a str: one)
+    steering: str = default("steering")  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
     max_seqs_per_request: int | None = None  # None: defaults.seqs_per_request's
     # prompt tokens and scored prompt tokens one request may send (None: capacity.budget's)
     max_prompt_tokens_per_request: int | None = None
     max_scored_tokens_per_request: int | None = None
-    drain_seconds: int = DRAIN_SECONDS  # on SIGTERM/SIGINT: how long in-flight requests may finish
-    keep_alive_seconds: int = KEEP_ALIVE_SECONDS  # idle HTTP connections (see defaults.py)
+    drain_seconds: int = default("drain_seconds")
+    keep_alive_seconds: int = default("keep_alive_seconds")
     request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
-    host: str = "127.0.0.1"  # the address served (admin endpoints are refused open beyond it)
-    open_admin: bool = False  # allow admin endpoints without an API key on any address
+    host: str = default("host")  # the address served (admin endpoints are refused open beyond it)
+    open_admin: bool = default("open_admin")
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
-    ab_split: float = 0.0  # the A/B experiment: share of subjects steered (0: no experiment)
-    ab_name: str = "default"  # part of the assignment hash: a new name reshuffles
-    ab_log: str | None = None  # the JSONL decision log (feedback needs it)
-    ab_log_content: bool = False  # prompts and replies in the log (they may be personal data)
-    ab_store: str | None = None  # the experiment store every replica shares (ab_store/)
-    ab_store_spill: str | None = None  # its queue kept here at shutdown (None: ab_store's default)
+    ab_split: float = default("ab_split")  # 0: no experiment
+    ab_name: str = default("ab_name")
+    ab_log: str | None = None
+    ab_log_content: bool = default("ab_log_content")
+    ab_store: str | None = None
+    ab_store_spill: str | None = None  # None: ab_store's default
     # vLLM's names (hosted.build): "auto" picks the model's parser; None for auto-tool-choice:
     # on whenever a parser is in use
-    tool_call_parser: str | None = "auto"
+    tool_call_parser: str | None = default("tool_call_parser")
     enable_auto_tool_choice: bool | None = None
     chat_template: str | None = None  # a file or a template; None: the model's own
     presets: tuple[str, ...] = ()  # NAME=SPEC, each served as a model id (presets.py)
     ab_preset: str | None = None  # the preset the A/B experiment's steered arm serves
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return _values(self.api_key)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return _values(self.served_model_name)
+
+
+def _values(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """One value or several as a tuple (empty values dropped)."""
+    values = (value,) if isinstance(value, str) else tuple(value or ())
+    return tuple(v for v in values if v)
 
 
 class ServerState:
@@ -91,7 +103,9 @@ class ServerState:
         if settings.steering not in MODES:
             raise ValueError(f"steering: {settings.steering!r} is not one of {', '.join(MODES)}")
         self.settings = settings
-        self.model_name = settings.served_model_name or Path(settings.engine.model).name
+        names = settings.served_model_names or (Path(settings.engine.model).name,)
+        self.model_name = names[0]  # reported; the others are accepted as 'model' too
+        self.model_names = frozenset(names)
         engine = dataclasses.replace(settings.engine, served_model_name=self.model_name)
         self.backend = Backend(engine, settings.drain_seconds)
         self.policy = SteeringPolicy(
@@ -125,7 +139,7 @@ class ServerState:
         self.presets: dict[str, Preset] = {}  # model id -> preset, once the artifacts are loaded
         self._preset_options = [parse_option(p) for p in settings.presets]  # ValueError
         # who may load vectors and read the experiment (the app's require_admin asks it)
-        self.admin = AdminGate(settings.host, settings.api_key, settings.open_admin)
+        self.admin = AdminGate(settings.host, bool(settings.api_keys), settings.open_admin)
         if self.admin.refusal:
             logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin.refusal)
 
