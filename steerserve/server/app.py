@@ -59,15 +59,17 @@ def _state(request: Request) -> ServerState:
 
 async def require_key(request: Request) -> None:
     state = _state(request)
-    key = state.settings.api_key
-    if not key:  # on loopback, loopback Host names only (DNS rebinding): admin.AdminGate
+    keys = state.settings.api_keys
+    if not keys:  # on loopback, loopback Host names only (DNS rebinding): admin.AdminGate
         state.admin.check_api(request.headers.get("host"))
         return
     auth = request.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
     # Compared as bytes: headers arrive as latin-1 text, and compare_digest refuses non-ASCII str.
-    sent, wanted = given.strip().encode("latin-1"), key.encode()
-    if scheme.lower() != "bearer" or not secrets.compare_digest(sent, wanted):
+    # Every key is compared (any authenticates), so the time taken does not say which matched.
+    sent = given.strip().encode("latin-1")
+    matched = [secrets.compare_digest(sent, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matched):
         raise ApiError(
             "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
             status=401,
@@ -127,7 +129,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             and any(d.dependency is require_key for d in route.dependencies)
             for method in route.methods
         }
-        P.openapi_errors(doc, keyed, key=bool(app.state.steer.settings.api_key))
+        P.openapi_errors(doc, keyed, key=bool(app.state.steer.settings.api_keys))
         app.openapi_schema = doc
     return app.openapi_schema
 

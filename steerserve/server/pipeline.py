@@ -211,7 +211,7 @@ def check(state: ServerState, model: str) -> Preset | None:
     if state.drain.dropping:
         raise state.drain.error()
     preset = state.presets.get(model)
-    if model != state.model_name and preset is None:
+    if model not in state.model_names and preset is None:
         raise ApiError(
             f"The model {short_repr(model)} does not exist; this server serves "
             f"{state.model_name!r}",
