@@ -200,10 +200,17 @@ def vectors_gate(
     raise typer.Exit(vg.gate(src, version, gates, root, description))
 
 
-# --- research: extract, calibrate, eval, analyze, ... (option parsing in research_cli.py) ---------
+# --- lab: the research commands (option parsing in research_cli.py) ------------------------------
 
+lab_app = typer.Typer(
+    help="Research: extract candidate vectors, calibrate, evaluate, analyze and audit them "
+    "(steerserve tune runs the product path in one command).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(lab_app, name="lab")
 for _name, _command in research_cli.COMMANDS:
-    app.command(_name)(_command)
+    lab_app.command(_name)(_command)
 app.command("tune")(tune_cli.tune)
 
 

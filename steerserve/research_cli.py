@@ -1,6 +1,6 @@
 """The research commands' options (extract, calibrate, eval, headroom, train-vector, rescore,
 audit-sample, audit-score, analyze): each parses its options into its module's config and calls
-its ``run``; ``cli.py`` registers them on the ``steerserve`` app (see :data:`COMMANDS`).
+its ``run``; ``cli.py`` registers them under ``steerserve lab`` (see :data:`COMMANDS`).
 
 Why a file of its own: option declarations with their help texts are most of a command's lines;
 kept apart from the server's and the artifacts' commands, each file stays one screenful per
@@ -119,7 +119,7 @@ def extract(
 
 def calibrate(
     candidates: Path = typer.Option(
-        Path("out/candidates.safetensors"), help="Output of 'steerserve extract'."
+        Path("out/candidates.safetensors"), help="Output of 'steerserve lab extract'."
     ),
     out: Path = typer.Option(
         ...,

@@ -53,7 +53,7 @@ def tune(
     ),
     candidates: Path | None = typer.Option(
         None,
-        help="Candidates from 'steerserve extract' instead of the extract stage.",
+        help="Candidates from 'steerserve lab extract' instead of the extract stage.",
         show_default=False,
     ),
     extract_per_lang: int = typer.Option(16, help="Train facts per language to extract from."),

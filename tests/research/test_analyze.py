@@ -269,7 +269,7 @@ def test_cli_analyze(tiny_gemma: Path, tmp_path: Path) -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in _records(2)))
     art = _artifact(tiny_gemma, tmp_path / "art", 64)
     out = tmp_path / "out"
-    args = ["analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--out", str(out)]
+    args = ["lab", "analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--out", str(out)]
     args += ["--artifact", str(art.path), "--arms", "unsteered,translation", "--sample", "1"]
     args += ["--threshold", "100", "--window", "1,3", "--max-tokens", "2"]
     res = CliRunner().invoke(app, args)
@@ -278,7 +278,7 @@ def test_cli_analyze(tiny_gemma: Path, tmp_path: Path) -> None:
     assert rep["n_items"] == 2 and rep["window"] == [1, 3] and rep["threshold"] == 100
     assert list(rep["arms"]) == ["unsteered", "translation"]
     assert (out / "lens_translation.png").stat().st_size > 0
-    bad = CliRunner().invoke(app, [*args[:8], "--arms", "unsteered,nope"])
+    bad = CliRunner().invoke(app, [*args[:9], "--arms", "unsteered,nope"])
     assert bad.exit_code != 0
 
 
@@ -290,7 +290,7 @@ def test_cli_analyze_defaults_to_the_artifact_auto_serves(tiny_gemma: Path, tmp_
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _records(1)))
     vectors = tmp_path / "vectors"
-    base = ["analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--sample", "1"]
+    base = ["lab", "analyze", "--model", str(tiny_gemma), "--dataset", str(data), "--sample", "1"]
     base += ["--max-tokens", "1", "--vectors-dir", str(vectors)]
     res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "a")])
     assert res.exit_code == 1 and "no steering artifact" in res.output, res.output
@@ -347,7 +347,7 @@ def test_cli_analyze_chat_form(tiny_gemma: Path, tmp_path: Path) -> None:
     from steerserve.cli import app
 
     out = tmp_path / "out"
-    args = ["analyze", "--model", str(tiny_gemma), "--form", "chat", "--langs", "en,ja,ko"]
+    args = ["lab", "analyze", "--model", str(tiny_gemma), "--form", "chat", "--langs", "en,ja,ko"]
     args += ["--sample", "1", "--arms", "unsteered", "--max-tokens", "2", "--out", str(out)]
     args += ["--vectors-dir", str(tmp_path / "none")]
     res = CliRunner().invoke(app, args)

@@ -46,13 +46,13 @@ def test_sample_is_blind_and_compare_counts_errors(tmp_path: Path) -> None:
 def test_audit_commands(tmp_path: Path) -> None:
     path = write_replies(tmp_path / "replies.jsonl", _replies())
     blind = tmp_path / "blind.jsonl"
-    res = CliRunner().invoke(app, ["audit-sample", str(path), "--out", str(blind),
+    res = CliRunner().invoke(app, ["lab", "audit-sample", str(path), "--out", str(blind),
                                    "--per-lang", "ja=2,fr=2"])  # fmt: skip
     assert res.exit_code == 0 and "wrote 4 replies" in res.output, res.output
     rows = audit.read_jsonl(blind)
     judged = tmp_path / "judged.jsonl"
     audit.write_jsonl(judged, [{**r, "correct": False, "script": "query"} for r in rows])
-    res = CliRunner().invoke(app, ["audit-score", str(path), str(judged), "--out",
+    res = CliRunner().invoke(app, ["lab", "audit-score", str(path), str(judged), "--out",
                                    str(tmp_path / "a.json")])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "all: n=4 false positives 2/4, false negatives 0/0" in res.output

@@ -95,7 +95,7 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
     recs = eval_records("test", shots=1, langs=["en", "fr", "ja"], limit_per_lang=2)
     ds.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     out = tmp_path / "eval"
-    args = ["eval", "--model", str(tiny_gemma), "--artifact", str(artifact_dir),
+    args = ["lab", "eval", "--model", str(tiny_gemma), "--artifact", str(artifact_dir),
             "--dataset", str(ds), "--out", str(out), "--dtype", "float32",
             "--kv-cache-bytes", str(64 << 20), "--max-tokens", "3"]  # fmt: skip
     # The tiny random model never ends a line in 3 tokens: every reply is cut, the run stops.
@@ -183,7 +183,7 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     cpath = cands.save(tmp_path / "c.safetensors")
     out, summary = tmp_path / "vec" / "tiny" / "v1", tmp_path / "summary"
     common = ["--model", str(tiny_gemma), "--dtype", "float32", "--kv-cache-bytes", str(64 << 20)]
-    args = ["calibrate", "--candidates", str(cpath), "--out", str(out), "--dataset", str(ds)]
+    args = ["lab", "calibrate", "--candidates", str(cpath), "--out", str(out), "--dataset", str(ds)]
     args += ["--holdout", "1", "--variants", "recall.native.diff", "--recall-layers", "1"]
     args += ["--recall-scales", "0.5", "--translation-layers", "2", "--translation-scales", "0.5"]
     args += ["--top-k", "1", "--fine", "", "--summary-dir", str(summary), *common]
@@ -196,7 +196,7 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     assert cal_json["scoring"]["form"] == "chat" and "chat form" in cal_json["prompts"]
     assert "<= 64 tokens" in cal_json["prompts"]
     ev_out = tmp_path / "eval"
-    args = ["eval", "--artifact", str(out), "--out", str(ev_out), "--limit-per-lang", "1"]
+    args = ["lab", "eval", "--artifact", str(out), "--out", str(ev_out), "--limit-per-lang", "1"]
     args += ["--arms", "unsteered,both", "--max-cut-share", "1", *common]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -210,7 +210,9 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
         assert 0 <= a["non_english_mean"] <= 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({**recs[0], "messages": [{"role": "bot", "content": "x"}]}) + "\n")
-    res = CliRunner().invoke(app, ["eval", "--dataset", str(bad), "--artifact", str(out), *common])
+    res = CliRunner().invoke(
+        app, ["lab", "eval", "--dataset", str(bad), "--artifact", str(out), *common]
+    )
     assert res.exit_code != 0 and "capital_of" in res.output and "'bot'" in res.output
 
 
@@ -285,7 +287,7 @@ def test_cli_calibrate_default_logp_selects_and_confirms_on_disjoint_halves(
 
     cpath = cands.save(tmp_path / "c.safetensors")
     out, summary = tmp_path / "vec" / "tiny" / "v1", tmp_path / "summary"
-    args = ["calibrate", "--candidates", str(cpath), "--out", str(out), "--model", str(tiny_gemma),
+    args = ["lab", "calibrate", "--candidates", str(cpath), "--out", str(out), "--model", str(tiny_gemma),
             "--per-lang", "1", "--en-items", "2", "--shots", "1",
             "--variants", "recall.mixed.diff", "--recall-layers", "1", "--recall-scales", "0.5",
             "--translation-layers", "2", "--translation-scales", "0.5", "--top-k", "1",
@@ -314,7 +316,7 @@ def test_cli_calibrate_default_logp_selects_and_confirms_on_disjoint_halves(
         assert "confirmed on the held-out half" in res.output
     else:
         assert "DID NOT CONFIRM" in res.output and "do not ship it" in res.output
-    res = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--objective", "luck"])
+    res = CliRunner().invoke(app, ["lab", "calibrate", "--out", str(out), "--objective", "luck"])
     assert res.exit_code != 0 and "--objective" in res.output and "'luck'" in res.output
 
 

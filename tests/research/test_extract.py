@@ -90,7 +90,7 @@ def test_cli_extract_cpu(tiny_gemma: Path, tmp_path: Path) -> None:
     from steerserve.cli import app
 
     out = tmp_path / "cands.safetensors"
-    args = ["extract", "--model", str(tiny_gemma), "--device", "cpu", "--dtype", "float32",
+    args = ["lab", "extract", "--model", str(tiny_gemma), "--device", "cpu", "--dtype", "float32",
             "--per-lang", "1", "--langs", "en,fr", "--batch-size", "2", "--out", str(out)]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output

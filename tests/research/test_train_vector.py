@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_train_vector_end_to_end(tiny_gemma: Path, tmp_path: Path) -> None:
     out, rep = tmp_path / "vec" / "tiny" / "v9", tmp_path / "rep"
-    args = ["train-vector", "--model", str(tiny_gemma), "--out", str(out), "--layer", "1",
+    args = ["lab", "train-vector", "--model", str(tiny_gemma), "--out", str(out), "--layer", "1",
             "--langs", "en,fr,ja", "--relations", "capital_of", "--steps", "6",
             "--batch-size", "4", "--dtype", "float32", "--report-dir", str(rep),
             "--lr", "0.2"]  # fmt: skip

@@ -19,7 +19,16 @@ def test_cli_builds_the_translation_vector(tiny_gemma: Path, tmp_path: Path) -> 
     out, means = tmp_path / "vec" / "tiny" / "v2", tmp_path / "means.pt"
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"objective": "test", "holdout": {"confirms": False}}))
-    args = ["translation-vector", "--model", str(tiny_gemma), "--out", str(out), "--layer", "2"]
+    args = [
+        "lab",
+        "translation-vector",
+        "--model",
+        str(tiny_gemma),
+        "--out",
+        str(out),
+        "--layer",
+        "2",
+    ]
     args += ["--scale", "0.5", "--langs", "ja,ko", "--form", "chat", "--means", str(means)]
     args += ["--calibration", str(cal), "--threads", "1"]
     res = CliRunner().invoke(app, args)
@@ -40,5 +49,5 @@ def test_cli_builds_the_translation_vector(tiny_gemma: Path, tmp_path: Path) -> 
     again = CliRunner().invoke(app, [*args, "--overwrite"])  # the kept means: the same vector
     assert again.exit_code == 0, again.output
     assert load_artifact(out).manifest.interventions[0].sha256 == iv.sha256
-    bad = CliRunner().invoke(app, [*args[:6], "99", "--out", str(tmp_path / "x" / "v1")])
+    bad = CliRunner().invoke(app, [*args[:7], "99", "--out", str(tmp_path / "x" / "v1")])
     assert bad.exit_code == 2 and "--layer" in bad.output
