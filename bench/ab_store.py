@@ -58,7 +58,7 @@ def start(arm: str, model: Path | str, vectors: Path | None, store: str | None, 
     embedded model by name with its shipped vectors and the server's own dtype."""
     port = str(_free_port())
     cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model), "--port", port]
-    cmd += ["--max-model-len", "512", "--kv-cache-bytes", str(64 << 20)]
+    cmd += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20)]
     if vectors is not None:
         cmd += ["--dtype", "float32", "--vectors-dir", str(vectors)]
     cmd += ["--log-level", "warning", "--api-key", KEY]

@@ -132,7 +132,7 @@ def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Pr
         empty = logs / "no-vectors"
         empty.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model)]
-        cmd += common + ["--kv-cache-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
+        cmd += common + ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
         cmd += ["--steering", "off", "--vectors-dir", str(empty), "--log-level", "warning"]
     p = Proc(arm, cmd, env, logs / f"{arm}.log")
     p.wait_ready("/health" if arm == "stock" else "/ready")

@@ -249,7 +249,7 @@ class Serve:
             "STEERSERVE_PORT": str(self.port),
             "STEERSERVE_DTYPE": "float32",
             "STEERSERVE_MAX_MODEL_LEN": "512",
-            "STEERSERVE_KV_CACHE_BYTES": str(128 << 20),
+            "STEERSERVE_KV_CACHE_MEMORY_BYTES": str(128 << 20),
             "STEERSERVE_SERVED_MODEL_NAME": MODEL,
             "STEERSERVE_LOG_LEVEL": "warning",
         }

@@ -64,7 +64,7 @@ def main() -> None:
     log = tempfile.mkdtemp(prefix="pages-real-")
     cmd = [sys.executable, "-m", "steerserve", "serve", "--port", str(args.port),
            "--ab-split", "0.5", "--ab-name", "pages-real", "--ab-log", f"{log}/ab.jsonl",
-           "--kv-cache-bytes", str(1 << 30)]  # fmt: skip
+           "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=open(f"{log}/serve.log", "w"),
                             stderr=subprocess.STDOUT)  # fmt: skip
     try:

@@ -115,7 +115,7 @@ def run(a: argparse.Namespace) -> dict:
         "--port",
         str(_free_port()),
     ]
-    cmd += ["--kv-cache-bytes", str(a.kv_cache_bytes), "--served-model-name", "bench"]
+    cmd += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--served-model-name", "bench"]
     cmd += ["--steering", "off", "--log-level", "warning"]
     srv = Proc("server", cmd, dict(os.environ), logs / "server.log")
     rounds: list[dict] = []

@@ -40,7 +40,7 @@ mkdir -p "${OUT}"
 OUT="$(cd "${OUT}" && pwd)"
 
 if [[ "${DEVICE}" == cpu ]]; then
-  memory_args=(--kv-cache-bytes $(( 64 << 20 )) --enforce-eager)
+  memory_args=(--kv-cache-memory-bytes $(( 64 << 20 )) --enforce-eager)
 else
   gpus="$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)"
   if (( gpus < TP * PP )); then
@@ -56,7 +56,7 @@ assert torch.cuda.is_available(), "torch has no CUDA: install steerserve with th
 print(f"vllm {md.version('vllm')}, torch {torch.__version__}, {torch.cuda.device_count()} GPUs")
 EOF
   # Two servers in turn: 40 % of a GPU each leaves room if the first one frees its memory late.
-  memory_args=(--kv-cache-bytes 0 --gpu-memory-utilization 0.4)
+  memory_args=(--gpu-memory-utilization 0.4)
 fi
 
 # 1. The model folder and a probe artifact bound to it.
