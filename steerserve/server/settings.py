@@ -299,9 +299,9 @@ def _default_text(name: str) -> str:
 
 
 def typer_parameters() -> list[inspect.Parameter]:
-    """``serve``'s typer options, one per field (for ``serve.__signature__``). They carry no
-    default nor variable: only what the command line gives is passed on, and the settings read
-    the rest from the environment, so both are parsed and bounded once, here."""
+    """``serve``'s typer options, one per field (for ``serve.__signature__``). Their default and
+    variable are only shown in the help: the command passes on what the command line gives, and
+    the model reads the rest from the environment, so each is parsed and bounded once, here."""
     import typer
 
     params = []
