@@ -123,25 +123,47 @@ class Server:
         self.thread.join(60)
 
 
-@contextmanager
-def tiny_http(model: Path, vectors: Path, **settings: Any) -> Iterator[httpx.Client]:
-    """A client of a started server on the tiny Llama (float32, 512 tokens, 64 MiB of KV) with
-    the tiny artifact written to ``vectors`` and the test key; ``settings``: more ServerSettings."""
+def tiny_settings(
+    model: Path, vectors: Path | None = None, engine: dict[str, Any] | None = None, **settings: Any
+) -> Any:
+    """ServerSettings for the tiny Llama: float32, 512 tokens, 64 MiB of KV (``engine``: other
+    EngineConfig fields), the test key, the artifacts of ``vectors``; ``settings``: more
+    ServerSettings fields (``api_key=None``: no key)."""
     from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import ServerSettings
 
-    make_artifact(vectors, model, "v1", seed=0)
-    cfg = EngineConfig(
-        model=str(model), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors), api_key=KEY, **settings))
-    srv = Server(app)
+    given = {"dtype": "float32", "max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
+    cfg = EngineConfig(model=str(model), **given | (engine or {}))
+    settings = {"api_key": KEY} | settings
+    if vectors is not None:
+        settings["vectors_dir"] = str(vectors)
+    return ServerSettings(engine=cfg, **settings)
+
+
+@contextmanager
+def tiny_server(
+    model: Path, vectors: Path | None = None, engine: dict[str, Any] | None = None, **settings: Any
+) -> Iterator[Server]:
+    """A started server of :func:`tiny_settings`, stopped on exit."""
+    from steerserve.server import create_app
+
+    srv = Server(create_app(tiny_settings(model, vectors, engine, **settings)))
     srv.start()
     try:
-        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
-            yield c
+        yield srv
     finally:
         srv.stop()
+
+
+@contextmanager
+def tiny_http(model: Path, vectors: Path, **settings: Any) -> Iterator[httpx.Client]:
+    """A client of a started :func:`tiny_server` with the tiny artifact written to ``vectors``."""
+    make_artifact(vectors, model, "v1", seed=0)
+    with (
+        tiny_server(model, vectors, **settings) as srv,
+        httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c,
+    ):
+        yield c
 
 
 def _answers(url: str) -> bool:
@@ -160,19 +182,8 @@ def vectors_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> P
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, vectors_dir: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    app = create_app(
-        ServerSettings(engine=cfg, vectors_dir=str(vectors_dir), api_key=KEY, steering="auto")
-    )
-    srv = Server(app)
-    srv.start()
-    yield srv
-    srv.stop()
+    with tiny_server(tiny_llama, vectors_dir, steering="auto") as srv:
+        yield srv
     assert not srv.thread.is_alive()
 
 

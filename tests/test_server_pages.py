@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from _browser import chromium, expect, parrot, screenshot
-from test_server import AUTH, FR, JA, KEY, Server, make_artifact
+from test_server import AUTH, FR, JA, KEY, Server, make_artifact, tiny_server
 
 from steerserve import ab_report
 from steerserve.server.experiment import Experiment
@@ -38,24 +38,10 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    cfg = EngineConfig(
-        model=str(root / MODEL), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(root / "vectors"),
-        api_key=KEY,
-        ab_split=0.5,
-        ab_name=NAME,
-        ab_log=str(root / "ab.jsonl"),
-    )
-    srv = Server(create_app(settings))
-    srv.start()
-    yield srv
-    srv.stop()
+    with tiny_server(
+        root / MODEL, root / "vectors", ab_split=0.5, ab_name=NAME, ab_log=str(root / "ab.jsonl")
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -14,21 +14,21 @@ import httpx
 import openai
 import pytest
 from _lm_eval import multiple_choice
-from test_server import AUTH, FR, KEY, MODEL, Server, make_artifact, metric
+from test_server import (
+    AUTH,
+    FR,
+    KEY,
+    MODEL,
+    Server,
+    make_artifact,
+    metric,
+    tiny_server,
+    tiny_settings,
+)
 
 ON = f"{MODEL}:steering-on"
 AUTO = f"{MODEL}:steering-auto"
 HALF = f"{MODEL}:half"  # --preset half={"interventions": {"recall": 0.5}}
-
-
-def _settings(tiny_llama: Path, root: Path, **kw: Any) -> Any:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings
-
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    return ServerSettings(engine=cfg, vectors_dir=str(root), api_key=KEY, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,8 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
-    from steerserve.server import create_app
-
-    presets = ('half={"interventions": {"recall": 0.5}}',)
-    srv = Server(create_app(_settings(tiny_llama, root, presets=presets)))
-    srv.start()
-    yield srv
-    srv.stop()
+    with tiny_server(tiny_llama, root, presets=('half={"interventions": {"recall": 0.5}}',)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +151,7 @@ def test_bad_presets_refuse_to_start(tiny_llama: Path, root: Path) -> None:
         (('x={"interventions": {"nope": 1}}',), "nope"),
         (("steering-on=on",), "taken"),
     ):
-        state = ServerState(_settings(tiny_llama, root, presets=presets))
+        state = ServerState(tiny_settings(tiny_llama, root, presets=presets))
         try:
             asyncio.run(state.load())
             assert state.load_error is not None and why in str(state.load_error), presets
@@ -172,7 +167,7 @@ def test_ab_preset_is_the_experiments_steered_arm(
     from steerserve.server import create_app
 
     log = tmp_path / "ab.jsonl"
-    settings = _settings(
+    settings = tiny_settings(
         tiny_llama,
         root,
         presets=('half={"interventions": {"recall": 0.5}}',),

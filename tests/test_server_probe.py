@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from test_server import AUTH, KEY, MODEL, Server, make_artifact
+from test_server import AUTH, MODEL, Server, make_artifact, tiny_server
 
 from steerserve.server.errors import MAX_PARAM
 from steerserve.server.presets import (
@@ -32,21 +32,12 @@ HUGE_ENTRY = {"vector": HUGE, "layer": 1}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
     root = tmp_path_factory.mktemp("probe")
     make_artifact(root, tiny_llama, "v1")
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20
-    )
+    engine = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
     presets = ('half={"interventions": {"recall": 0.5}}',)
-    srv = Server(
-        create_app(ServerSettings(engine=cfg, vectors_dir=str(root), api_key=KEY, presets=presets))
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    with tiny_server(tiny_llama, root, engine, presets=presets) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
