@@ -59,7 +59,7 @@ def _state(request: Request) -> ServerState:
 
 async def require_key(request: Request) -> None:
     state = _state(request)
-    keys = state.settings.api_keys
+    keys = state.api_keys
     if not keys:  # on loopback, loopback Host names only (DNS rebinding): admin.AdminGate
         state.admin.check_api(request.headers.get("host"))
         return

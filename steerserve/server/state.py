@@ -106,6 +106,7 @@ class ServerState:
         names = settings.served_model_names or (Path(settings.engine.model).name,)
         self.model_name = names[0]  # reported; the others are accepted as 'model' too
         self.model_names = frozenset(names)
+        self.api_keys = settings.api_keys  # any of them authenticates (app.require_key)
         engine = dataclasses.replace(settings.engine, served_model_name=self.model_name)
         self.backend = Backend(engine, settings.drain_seconds)
         self.policy = SteeringPolicy(
