@@ -69,6 +69,10 @@ def test_variables_and_options(monkeypatch) -> None:
     with pytest.raises(so.OptionError) as e:
         so.read()
     assert e.value.param == "--max-num-seqs" and "STEERSERVE_MAX_NUM_SEQS" in str(e.value)
+    monkeypatch.setenv("STEERSERVE_API_KEY", '["sekrit"')  # not JSON: refused, never echoed
+    with pytest.raises(so.OptionError) as e:
+        so.read({"max_num_seqs": 1})
+    assert e.value.param == "--api-key" and "sekrit" not in str(e.value)
 
 
 def test_every_setting_is_an_option() -> None:

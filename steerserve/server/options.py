@@ -21,6 +21,9 @@ from steerserve.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+#: Settings whose values may hold a secret (a key, a password in a URL): never echoed in errors.
+SECRETS = ("api_key", "ab_store")
+
 
 class OptionError(ValueError):
     """A setting the server cannot start with, and the option (``param``) that says it (None:
@@ -150,7 +153,8 @@ def read(given: Mapping[str, Any] | None = None) -> ServeSettings:
         name = str(err["loc"][0]) if err["loc"] else ""
         where = "" if name in (given or {}) else f" (from {env_var(name)})"
         param = flag(name) if name in FIELDS else None
-        raise OptionError(f"{err['msg']}, not {err['input']!r}{where}", param) from None
+        given_as = "" if name in SECRETS else f", not {err['input']!r}"  # a key is never echoed
+        raise OptionError(f"{err['msg']}{given_as}{where}", param) from None
 
 
 def check_engine_config(cfg: Any) -> None:  # cfg: EngineConfig (lazy)
