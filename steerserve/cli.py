@@ -149,7 +149,7 @@ _ROOT_HELP = "Directory holding the artifacts (vectors/<model>/<version>/)."
 @vectors_app.command("list")
 def vectors_list(root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP)) -> None:
     """List the artifacts under ROOT with their model and recommended layer/scale."""
-    from steerserve import vectors_view
+    from steerserve.artifacts import view as vectors_view
 
     raise typer.Exit(vectors_view.list_artifacts(root))
 
@@ -162,7 +162,7 @@ def vectors_show(
     root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
 ) -> None:
     """Show one artifact: model binding, interventions, provenance, calibration winner."""
-    from steerserve import vectors_view
+    from steerserve.artifacts import view as vectors_view
 
     raise typer.Exit(vectors_view.show(ref, root))
 
@@ -178,7 +178,7 @@ def vectors_verify(
     root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
 ) -> None:
     """Verify artifacts (schema, checksums, shapes, NaN/Inf, layers, model); exit 1 on any failure."""
-    from steerserve import vectors_view
+    from steerserve.artifacts import view as vectors_view
 
     raise typer.Exit(vectors_view.verify(paths or [], root, model))
 
@@ -195,7 +195,7 @@ def vectors_gate(
 ) -> None:
     """Publish SRC's vectors as a new VERSION whose 'auto' steers only the languages GATES lets
     through (a published version never changes); exit 1 on any refusal."""
-    from steerserve import vectors_gate as vg
+    from steerserve.artifacts import gate as vg
 
     raise typer.Exit(vg.gate(src, version, gates, root, description))
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from steerserve import artifacts as A
+from steerserve.artifacts import fingerprint
 from steerserve.engine.registry import tensor_sha256
 from steerserve.engine.spec import POSITIONS
 
@@ -116,7 +117,7 @@ def test_fingerprints_agree(tiny_models: dict[str, Path]) -> None:
         prints[arch] = fp
         with torch.no_grad():  # any change to the embedding slice changes the fingerprint
             w = model.get_input_embeddings().weight
-            w[A._embedding_rows(w.shape[0])[5], 7] += 1e-3
+            w[fingerprint._embedding_rows(w.shape[0])[5], 7] += 1e-3
         assert A.fingerprint_hf_model(model).embedding_sha256 != fp.embedding_sha256
     assert prints["llama"].config_sha256 != prints["gemma3"].config_sha256
     b = A.binding_for_model(tiny_models["gemma3"])

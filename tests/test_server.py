@@ -1233,7 +1233,7 @@ def test_a_hot_load_reads_only_the_artifact_it_loads(
     """A hot-load verifies the versions of the name it loads, not every artifact in the folder
     (issue 33: a rescan hashing the whole folder took 28 s under load). The real loader runs,
     watched: it opens only the loaded name's versions (before, every artifact's)."""
-    import steerserve.artifacts as artifacts
+    import steerserve.artifacts.store as artifacts  # where scan_artifacts calls it
 
     opened: list[str] = []
     real = artifacts.load_artifact

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from steerserve import __version__
 from steerserve import artifacts as art
-from steerserve.vectors_view import console, describe_auto
+from steerserve.artifacts.view import console, describe_auto
 
 
 def read_gates(path: Path) -> dict[str, Any]:
