@@ -243,7 +243,7 @@ def _tiny(tmp: Path) -> tuple[Path, Path]:
     import torch
 
     from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
-    from steerserve.tiny import build_tiny_model
+    from steerserve.models.tiny import build_tiny_model
 
     model = build_tiny_model(tmp / "tiny-llama", "llama")
     ivs = [

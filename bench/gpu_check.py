@@ -316,7 +316,7 @@ def main() -> int:
     import torch
 
     from steerserve.engine.api import SteerEngine
-    from steerserve.tiny import build_tiny_model
+    from steerserve.models.tiny import build_tiny_model
 
     report = Report(args.runner)
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "llama", "llama")

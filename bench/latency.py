@@ -57,7 +57,7 @@ def model_dir(name: str) -> Path:
     of a deep model at toy compute. Else an embedded model name or a checkpoint folder."""
     if name == "tiny":
         from steerserve.models import cache_dir
-        from steerserve.tiny import build_tiny_model
+        from steerserve.models.tiny import build_tiny_model
 
         return build_tiny_model(
             cache_dir() / "bench" / "tiny-llama-28x256", num_layers=28, hidden=256

@@ -362,7 +362,7 @@ def report(args: Any, t: Tally, rss0: dict, rss1: dict, meta: dict[str, Any]) ->
     return (
         f"`bench/load.py --clients {args.clients} --duration {args.duration:.0f} "
         f"--max-requests {args.max_requests}`: model "
-        f"`steerserve.tiny` Llama (4 blocks, hidden 64, byte-level vocabulary, random weights), "
+        f"`steerserve.models.tiny` Llama (4 blocks, hidden 64, byte-level vocabulary, random weights), "
         f"float32, `steerserve serve` in vLLM's multi-process mode on 127.0.0.1; "
         f"{meta['machine']}, {meta['date']}, load average {meta['load0']:.1f} at start, "
         f"{meta['load1']:.1f} at end; {meta['wall']:.0f} s of load.\n\n"

@@ -718,7 +718,7 @@ def server_env(args: Any, workdir: Path) -> tuple[dict[str, str], str]:
         env |= {"STEERSERVE_MODEL": str(model), "STEERSERVE_VECTORS_DIR": str(vectors)}
         env |= {"STEERSERVE_DTYPE": "float32", "STEERSERVE_MAX_MODEL_LEN": "512"}
         env |= {"STEERSERVE_KV_CACHE_MEMORY_BYTES": str(128 << 20)}
-        return env, "steerserve.tiny Llama (random weights, float32)"
+        return env, "steerserve.models.tiny Llama (random weights, float32)"
     if args.model == "default":  # converted once (minutes), before any server is timed
         subprocess.run(
             [

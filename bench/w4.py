@@ -11,7 +11,7 @@ arms alternating over ``--cycles``:
 * worker memory (resident, the process and its children) and engine init time.
 
 Arms are ``<weights>:<dtype>``: ``full`` is the converted checkpoint, ``w4`` its 4-bit sibling
-(steerserve.quantize) through vLLM's default kernel, ``w4a16`` the same checkpoint with
+(steerserve.models.quantize) through vLLM's default kernel, ``w4a16`` the same checkpoint with
 ``VLLM_CPU_INT4_W4A8=0``; dtype is what vLLM computes in (4-bit weights need bfloat16 or float16).
 vLLM's default on an AMX CPU in bfloat16 is ``int4_scaled_mm_cpu``, which also quantizes each
 token's activations to int8 ("w4a8"); elsewhere, or with that variable off, ``cpu_gemm_wna16``

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from steerserve.tiny import build_tiny_model
+    from steerserve.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: build_tiny_model(root / arch, arch) for arch in ("llama", "gemma3")}

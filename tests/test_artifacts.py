@@ -289,7 +289,7 @@ def test_wrong_model(
     with pytest.raises(A.ModelMismatch, match="fingerprint method: expected 'md5'"):
         A.load_artifact(art.path, expect=other)
     # Same shapes, different weights: only the embedding fingerprint tells them apart.
-    from steerserve.tiny import build_tiny_model
+    from steerserve.models.tiny import build_tiny_model
 
     twin = build_tiny_model(tmp_path / "twin", "llama", seed=1)
     with pytest.raises(A.ModelMismatch, match="embedding_sha256") as ei:

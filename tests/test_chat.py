@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from steerserve.chat import chat_ids, check_messages, reply_separator
+from steerserve.models.chat import chat_ids, check_messages, reply_separator
 
 CHAT = [
     {"role": "system", "content": "Answer with the name only."},

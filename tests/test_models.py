@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from steerserve import models
 from steerserve.models import Chunk, EmbeddedModel, EmbeddedModelError
+from steerserve.models import embedded as models
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_TEMPLATE = (
@@ -359,7 +359,7 @@ def test_a_stale_conversion_is_rebuilt(fake) -> None:
 
 CHILD = """
 import json, logging, sys
-from steerserve import models
+from steerserve.models import embedded as models
 f = json.loads(sys.argv[1])
 f["chunks"] = tuple(models.Chunk(**c) for c in f["chunks"])
 f["chats"] = tuple(tuple(c) for c in f["chats"])
@@ -501,7 +501,7 @@ def test_qwen_conversion(qwen_dir: Path) -> None:
     check = marker["check"]
     assert marker["dtype"] == "float32" and check["passed"] and not check["bos"]
     assert check["max_abs_logit_diff"] <= check["tolerance"] == 1e-4
-    # its 4-bit sibling (steerserve.quantize): written when first asked for, checked the same way
+    # its 4-bit sibling (steerserve.models.quantize): written when first asked for, checked the same way
     assert models.w4_dir(qwen_dir) == qwen_dir / models.W4_DIR
     w4 = models.read_marker(qwen_dir)["w4"]["check"]
     assert w4["passed"] and w4["mean_kl"] <= models.W4_TOLERANCE["mean_kl"]

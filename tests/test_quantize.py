@@ -1,4 +1,4 @@
-"""4-bit weight-only checkpoints (steerserve.quantize): the packing round trip, the shapes the CPU
+"""4-bit weight-only checkpoints (steerserve.models.quantize): the packing round trip, the shapes the CPU
 kernel refuses, and a tiny 4-bit checkpoint in the real vLLM engine, steered and in mixed batches,
 against its dequantized transformers reference.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from _engine_helpers import MAX_TOKENS, prompts, run, vectors
 
-from steerserve import quantize as Q
 from steerserve.engine.spec import SteeringEntry
+from steerserve.models import quantize as Q
 from steerserve.research.reference import greedy
 
 GROUP = 32

@@ -385,7 +385,7 @@ def test_research_renders_chats_as_the_server_does(http: httpx.Client, tiny_llam
     ids vLLM's renderer gives the server's chat requests, token for token."""
     from transformers import AutoTokenizer
 
-    from steerserve.chat import chat_ids
+    from steerserve.models.chat import chat_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     for messages in (

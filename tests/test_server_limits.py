@@ -264,8 +264,8 @@ def test_embedded_quantization_chooses_the_4bit_checkpoint_or_says_why_not(
 
     from transformers import AutoModelForCausalLM
 
-    from steerserve import quantize as Q
     from steerserve.models import W4_DIR
+    from steerserve.models import quantize as Q
     from steerserve.server.options import OptionError, read, settings
 
     def serve(**given: object):  # noqa: ANN202

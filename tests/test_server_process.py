@@ -41,7 +41,7 @@ AB_USERS = [f"user-{i}" for i in range(20)]
 @pytest.fixture(scope="module")
 def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a context of 8,192 (the drain tests' requests are long)."""
-    from steerserve.tiny import build_tiny_model
+    from steerserve.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("long") / "llama", max_positions=8192)
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerserve.chat import reply_separator
 from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT
+from steerserve.models.chat import reply_separator
 from steerserve.research.arms import UNSTEERED, arm_entries, arm_vectors, check_arms
 from steerserve.research.facts import ANSWER_SEP
 from steerserve.research.hf import (
@@ -83,7 +83,7 @@ class Item:
 
 def answer_sep(record: Mapping[str, Any], tokenizer: Any = None) -> str:
     """What follows the prompt before the answer: the record's ``sep``, else for a chat what
-    follows the rendered chat (:func:`steerserve.chat.reply_separator`), else the fact set's."""
+    follows the rendered chat (:func:`steerserve.models.chat.reply_separator`), else the fact set's."""
     if "sep" in record:
         return str(record["sep"])
     if "messages" in record:

@@ -58,7 +58,7 @@ def register_artifact(engine: Any, artifact: Any) -> None:
 
 def record_prompts(engine: Any, records: Sequence[dict]) -> list[str | list[int]]:
     """The engine's prompts for ``records``: chat messages rendered with the engine's tokenizer
-    exactly as the server renders them (``steerserve.chat.chat_ids``), completion text as is."""
+    exactly as the server renders them (``steerserve.models.chat.chat_ids``), completion text as is."""
     from steerserve.research.records import engine_prompts
 
     needs_tok = any("messages" in r for r in records)

@@ -2,7 +2,7 @@
 
 A record is ``{"id", "lang", "answers", "answers_en"?, "answers_zh"?}`` plus either
 ``"prompt"`` (completion form: text the model continues, few-shot for base models) or
-``"messages"`` (chat form: rendered by :func:`steerserve.chat.chat_ids`, the server's own
+``"messages"`` (chat form: rendered by :func:`steerserve.models.chat.chat_ids`, the server's own
 rendering, so what is measured is what is served).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from steerserve.chat import chat_ids, check_messages
+from steerserve.models.chat import chat_ids, check_messages
 from steerserve.research.facts import FORMS, default_shots, eval_records
 from steerserve.research.scorer import fold
 

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from steerserve.chat import chat_ids, reply_separator
 from steerserve.engine.ops import DEFAULT_OP, OPS, ordered
 from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT, POSITIONS
+from steerserve.models.chat import chat_ids, reply_separator
 from steerserve.research.analyze import answer_sep
 from steerserve.research.hf import decoder_layers, left_padded
 from steerserve.research.records import form_of

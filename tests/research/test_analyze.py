@@ -313,7 +313,7 @@ def test_cli_analyze_defaults_to_the_artifact_auto_serves(tiny_gemma: Path, tmp_
 def test_chat_records_rank_the_reply_start_and_the_chinese_answer(tiny) -> None:
     """A chat's lens point is the last token of the server's rendering; the answers' first
     tokens are the reply's; the Chinese answer is ranked too, and the pivot reads it."""
-    from steerserve.chat import chat_ids
+    from steerserve.models.chat import chat_ids
 
     model, tok = tiny
     msgs = [{"role": "system", "content": "名前だけ"}, {"role": "user", "content": "首都？"}]

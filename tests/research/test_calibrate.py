@@ -166,8 +166,8 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     other record of each language), then eval on the built-in split in the artifact's form."""
     from typer.testing import CliRunner
 
-    from steerserve.chat import chat_ids
     from steerserve.cli import app
+    from steerserve.models.chat import chat_ids
     from steerserve.research.evaluate import open_engine, record_prompts
     from steerserve.research.facts import eval_records
 

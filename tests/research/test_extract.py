@@ -119,7 +119,7 @@ def test_chat_groups_mirror_the_completion_construction() -> None:
 
 def test_chat_means_are_read_where_the_reply_starts(tiny) -> None:
     """A chat's state is the last token of the server's rendering of it."""
-    from steerserve.chat import chat_ids
+    from steerserve.models.chat import chat_ids
 
     model, tok = tiny
     msgs = [{"role": "system", "content": "Name only."}, {"role": "user", "content": "Capital?"}]

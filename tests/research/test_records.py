@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from steerserve.chat import chat_ids
+from steerserve.models.chat import chat_ids
 from steerserve.research import records as rd
 from steerserve.research.facts import eval_records
 

@@ -130,7 +130,7 @@ CHAT = {
 
 
 def test_chat_records_are_rendered_as_served_and_scored_by_the_chat_rule(runner: Runner) -> None:
-    from steerserve.chat import chat_ids
+    from steerserve.models.chat import chat_ids
     from steerserve.research.scorer import score_record
 
     ids, aliases = encode(runner.tok, CHAT)

@@ -43,7 +43,7 @@ FORMAT_VERSION = 3  # 3: the 4-bit checkpoint in W4_DIR (written when first aske
 # float32 holds the dequantized weights exactly (only summation order differs); bfloat16 rounds
 # every weight to 8 significant bits (measured: docs/benchmarks.md, "Chat model").
 LOGIT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1.0}
-# The 4-bit checkpoint (steerserve.quantize), in this subfolder of the converted one, is checked
+# The 4-bit checkpoint (steerserve.models.quantize), in this subfolder of the converted one, is checked
 # against the same GGUF-loaded logits, by distribution rather than by the largest difference
 # (re-quantizing moves single logits by several units): mean KL(GGUF || 4-bit) over every
 # position of the check sequences, and the share of positions whose top-1 token changed.
@@ -516,7 +516,7 @@ def verify_w4(folder: Path, ref: Reference, spec: EmbeddedModel) -> dict:
     the marker's ``w4`` entry."""
     from transformers import AutoTokenizer
 
-    from steerserve.quantize import load_dequantized
+    from steerserve.models.quantize import load_dequantized
 
     check_tokenizer(AutoTokenizer.from_pretrained(folder), ref, spec)
     model = load_dequantized(folder)
@@ -636,10 +636,10 @@ def ensure_w4(path: Path, spec: EmbeddedModel) -> Path:
 
 def write_w4(spec: EmbeddedModel, path: Path) -> dict:
     """Write the 4-bit checkpoint of the conversion ``path`` into ``path/W4_DIR``: quantized
-    (steerserve.quantize) from the GGUF's float32 values, checked against the GGUF-loaded logits
+    (steerserve.models.quantize) from the GGUF's float32 values, checked against the GGUF-loaded logits
     (W4_TOLERANCE), renamed into place only once the check passed, then recorded in the
     marker's ``w4`` entry. Returns that entry; on any error nothing new is left behind."""
-    from steerserve.quantize import quantize_state, write_checkpoint
+    from steerserve.models.quantize import quantize_state, write_checkpoint
 
     assert spec.w4_group_size, spec.name
     t0 = time.time()
