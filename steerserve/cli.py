@@ -8,7 +8,8 @@ from typing import Any
 
 import typer
 
-from steerserve import research_cli, tune_cli
+from steerserve.research import cli as research_cli
+from steerserve.research.tune import cli as tune_cli
 from steerserve.server.settings import typer_parameters
 
 # Help texts are plain text, not rich markup: "NAME[/VERSION]" is an argument's form, not a tag.
@@ -200,7 +201,7 @@ def vectors_gate(
     raise typer.Exit(vg.gate(src, version, gates, root, description))
 
 
-# --- lab: the research commands (option parsing in research_cli.py) ------------------------------
+# --- lab: the research commands (option parsing in research/cli.py) ------------------------------
 
 lab_app = typer.Typer(
     help="Research: extract candidate vectors, calibrate, evaluate, analyze and audit them "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from steerserve.research_cli import (
+from steerserve.research.cli import (
     ENGINE_DTYPE_HELP,
     FORM_HELP,
     KV_HELP,
