@@ -42,7 +42,7 @@ def start(name: str, model: str, store: str, logs: Path) -> Proc:
 
 
 def main() -> None:
-    from steerserve.server.experiment import Experiment
+    from steerserve.server.ab.experiment import Experiment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma-3-270m")

@@ -117,8 +117,8 @@ def per_record(store: str, n: int) -> dict[str, float]:
     """The store's own cost, in this process and free of the model's noise: microseconds a
     request spends recording its decision (an append to the queue), and CPU microseconds the
     writer thread spends per record to put ``n`` of them in the store."""
-    from steerserve.server.ab_store import open_writer
-    from steerserve.server.experiment import DecisionLog, Decisions, Experiment
+    from steerserve.server.ab.experiment import DecisionLog, Decisions, Experiment
+    from steerserve.server.ab.store import open_writer
 
     d = Decisions(DecisionLog(None), open_writer(store, None))
     exp = Experiment("bench", 0.5)

@@ -116,8 +116,14 @@ def ab_report(
     """Who won the server's A/B experiment: per arm and detected language, requests, mean
     feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95.
     Exits 1 when records were skipped or dropped (the report says which)."""
-    from steerserve.ab_report import EVERY, ignored_note, report, report_markdown, write_report
-    from steerserve.server.ab_store import is_store_url, shown
+    from steerserve.server.ab.analysis import (
+        EVERY,
+        ignored_note,
+        report,
+        report_markdown,
+        write_report,
+    )
+    from steerserve.server.ab.store import is_store_url, shown
 
     if not is_store_url(log) and not Path(log).is_file():
         raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")

@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from steerserve.ab_report import build_report, read_log, write_report
+from steerserve.server.ab.analysis import build_report, read_log, write_report
 
 
 def _log(path: Path, n: int, p_steered: float, p_unsteered: float, seed: int = 0) -> None:

@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 
-from steerserve import ab_stats
-from steerserve.ab_report import (
+from steerserve.server.ab import stats as ab_stats
+from steerserve.server.ab.analysis import (
     MIN_SCORED,
     Row,
     build_report,

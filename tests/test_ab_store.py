@@ -26,11 +26,9 @@ from _postgres import Postgres, postgres_server
 from test_server import free_port
 from typer.testing import CliRunner
 
-from steerserve import ab_report
 from steerserve.cli import app
-from steerserve.server.ab_store import open_store, open_writer, schema, shown
-from steerserve.server.ab_store.writer import Writer
-from steerserve.server.experiment import (
+from steerserve.server.ab import analysis as ab_report
+from steerserve.server.ab.experiment import (
     MAX_FEEDBACK_PER_ID,
     DecisionLog,
     DecisionNotLogged,
@@ -39,6 +37,8 @@ from steerserve.server.experiment import (
     FeedbackLimit,
     StoreUnavailable,
 )
+from steerserve.server.ab.store import open_store, open_writer, schema, shown
+from steerserve.server.ab.store.writer import Writer
 from steerserve.server.metrics import Metrics
 
 BACKENDS = ["sqlite", "postgres"]
@@ -202,8 +202,8 @@ def test_two_replicas_one_store_join_feedback_and_report(backend: Backend, tmp_p
 
 CAP_SCRIPT = """
 import sys
-from steerserve.server.ab_store import open_writer
-from steerserve.server.experiment import DecisionLog, Decisions, FeedbackLimit
+from steerserve.server.ab.store import open_writer
+from steerserve.server.ab.experiment import DecisionLog, Decisions, FeedbackLimit
 url, rid, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 d = Decisions(DecisionLog(None), open_writer(url, None))
 print("ready", flush=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from steerserve.server.experiment import DecisionLog, DecisionNotLogged, Decisions, Experiment
+from steerserve.server.ab.experiment import DecisionLog, DecisionNotLogged, Decisions, Experiment
 
 
 def test_assignment_is_sticky_balanced_and_reshuffled_by_name() -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_server import AUTH, FR, Server, chat_body, make_artifact, metric
 
-from steerserve.server.experiment import DecisionLog, Experiment
+from steerserve.server.ab.experiment import DecisionLog, Experiment
 
 NAME = "exp-1"
 USERS = [f"user-{i}" for i in range(200)]
@@ -159,7 +159,7 @@ def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Pat
 
 
 def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> None:
-    from steerserve.ab_report import read_log
+    from steerserve.server.ab.analysis import read_log
 
     rid = ask(http, USERS[2])["id"]
     r = http.post("/v1/steering/feedback", json={"id": rid, "score": 1})

@@ -20,7 +20,7 @@ import pytest
 from test_server import AUTH, FR, MODEL, make_artifact, metric
 from test_server_ab import _settings, _start
 
-from steerserve.server.experiment import DecisionLog, Decisions
+from steerserve.server.ab.experiment import DecisionLog, Decisions
 
 PAGE = 4096  # tmpfs hands out space a page at a time
 FAILURES = "steerserve_ab_log_failures_total"

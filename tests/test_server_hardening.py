@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_server import MODEL, Server, chat_body, make_artifact, metric
 
-from steerserve.server.experiment import DecisionLog, Experiment
+from steerserve.server.ab.experiment import DecisionLog, Experiment
 from steerserve.server.slow import timed_protocol
 
 NAME = "hardening"
@@ -183,7 +183,7 @@ def test_d3_feedback_is_bounded_and_limited_per_id(
     other = _answer(http, "scorer-2")["id"]  # the limit is per answer
     assert http.post("/v1/steering/feedback", json={"id": other, "score": -1}).status_code == 200
 
-    from steerserve.ab_report import build_report, read_log, write_report
+    from steerserve.server.ab.analysis import build_report, read_log, write_report
 
     rows = {r.id: r for r in read_log(root / "ab.jsonl")}
     assert rows[rid].score == 1.0  # the last of its five

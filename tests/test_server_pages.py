@@ -19,8 +19,8 @@ import pytest
 from _browser import chromium, expect, parrot, screenshot
 from test_server import AUTH, FR, JA, KEY, Server, make_artifact, tiny_server
 
-from steerserve import ab_report
-from steerserve.server.experiment import Experiment
+from steerserve.server.ab import analysis as ab_report
+from steerserve.server.ab.experiment import Experiment
 
 NAME = "pages-exp"
 MODEL = "parrot"  # the served name: the model folder's

@@ -27,7 +27,7 @@ import pytest
 from test_server import FR, free_port, make_artifact
 
 from steerserve.engine.cpu import BF16_FLAGS, BIND, core_list, cpu_flags
-from steerserve.server.experiment import Experiment
+from steerserve.server.ab.experiment import Experiment
 
 KEY = "proc-key"
 #: The most seconds a server or one of its processes may take to exit once it should: a bound

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from steerserve.server.ab.experiment import STEERED, SUBJECT_HEADER, UNENROLLED, header_subject
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.endpoints import Endpoint
 from steerserve.server.errors import ApiError
-from steerserve.server.experiment import STEERED, SUBJECT_HEADER, UNENROLLED, header_subject
 from steerserve.server.presets import preset_id
 from steerserve.server.steering import SteeringSpec
 

@@ -107,7 +107,7 @@ def check_experiment(split: float, name: str, log: str | None, store: str | None
     """Refuse a bad split, an unwritable log or an unusable experiment store (a bad URL, an
     unreachable host, a newer schema: the store is opened and migrated) before the engine
     starts, naming the option."""
-    from steerserve.server.experiment import DecisionLog, Experiment
+    from steerserve.server.ab.experiment import DecisionLog, Experiment
 
     try:
         Experiment(name, split)
@@ -116,7 +116,7 @@ def check_experiment(split: float, name: str, log: str | None, store: str | None
         option = str(e).split(":", 1)[0]
         raise OptionError(str(e).split(": ", 1)[-1], option) from None
     if store:
-        from steerserve.server.ab_store import open_store
+        from steerserve.server.ab.store import open_store
 
         try:
             open_store(store).close()

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from steerserve import ab_report
 from steerserve.engine.spec import short_repr
-from steerserve.server.ab_store import StoreError
+from steerserve.server.ab import analysis as ab_report
+from steerserve.server.ab.experiment import STEERED, StoreUnavailable
+from steerserve.server.ab.store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
-from steerserve.server.experiment import STEERED, StoreUnavailable
 
 if TYPE_CHECKING:
-    from steerserve.server.ab_store import Store
-    from steerserve.server.ab_store.writer import Writer
+    from steerserve.server.ab.store import Store
+    from steerserve.server.ab.store.writer import Writer
     from steerserve.server.state import ServerState
 
 PAGES = {"/compare": "compare.html", "/experiments": "experiments.html"}

@@ -43,9 +43,9 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 )
 
 from steerserve.engine.spec import reserved_key
+from steerserve.server.ab.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error, field_path
-from steerserve.server.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
 
 _STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)

@@ -18,13 +18,7 @@ from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
 from steerserve.engine.spec import SteeringError
 from steerserve.server import hosted
-from steerserve.server.admin import AdminGate, check_ref
-from steerserve.server.backend import Backend
-from steerserve.server.capacity import Seats
-from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
-from steerserve.server.drain import Drain
-from steerserve.server.errors import ApiError
-from steerserve.server.experiment import (
+from steerserve.server.ab.experiment import (
     MAX_FEEDBACK_PER_ID,
     STEERED,
     DecisionLog,
@@ -35,6 +29,12 @@ from steerserve.server.experiment import (
     LogUnwritable,
     StoreUnavailable,
 )
+from steerserve.server.admin import AdminGate, check_ref
+from steerserve.server.backend import Backend
+from steerserve.server.capacity import Seats
+from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
+from steerserve.server.drain import Drain
+from steerserve.server.errors import ApiError
 from steerserve.server.metrics import Metrics
 from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
@@ -122,7 +122,7 @@ class ServerState:
         )
         store = None
         if settings.ab_store:
-            from steerserve.server.ab_store import open_writer
+            from steerserve.server.ab.store import open_writer
 
             store = open_writer(settings.ab_store, settings.ab_store_spill, self.metrics)
         self.decisions = Decisions(log, store)
@@ -284,7 +284,7 @@ class ServerState:
         """:meth:`feedback` off the event loop. With a store, an id it does not know yet is
         asked again for a moment (the replica that answered may still be writing it) without
         holding a thread while waiting."""
-        from steerserve.server.ab_store.writer import FEEDBACK_GRACE_SECONDS
+        from steerserve.server.ab.store.writer import FEEDBACK_GRACE_SECONDS
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (FEEDBACK_GRACE_SECONDS if self.decisions.store else 0)

@@ -3,7 +3,7 @@ log or its experiment store.
 
 Per experiment, arm and detected language: requests, mean feedback score with a 95 % CI, the
 steered - unsteered difference with its always-valid 95 % CI and p-value (an mSPRT, see
-:mod:`steerserve.ab_stats`), and latency p50/p95; per experiment a sample-ratio-mismatch check
+:mod:`steerserve.server.ab.stats`), and latency p50/p95; per experiment a sample-ratio-mismatch check
 when the split is known. The winner is called on the always-valid test, because the report is
 read live (``/experiments`` refreshes every 2 s) and a fixed-horizon CI read at every refresh
 calls false winners far above 5 %; the fixed-horizon (Welch) numbers stay as a labelled second
@@ -22,12 +22,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from steerserve import ab_stats
 from steerserve.engine.spec import finite_number
-from steerserve.server.experiment import STEERED, UNSTEERED, check_score
+from steerserve.server.ab import stats as ab_stats
+from steerserve.server.ab.experiment import STEERED, UNSTEERED, check_score
 
 if TYPE_CHECKING:
-    from steerserve.server.ab_store import Store
+    from steerserve.server.ab.store import Store
 
 #: Fewer scored replies than this in either arm: no winner is called. A display floor only: the
 #: always-valid test needs no planned sample size, but its plug-in variance is rough on a handful
@@ -168,7 +168,7 @@ def diff_ci(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
 
 def always_valid_ci(a: Sequence[float], b: Sequence[float], alpha: float = ALPHA) -> dict[str, Any]:
     """mean(a) - mean(b) with its always-valid (1 - alpha) CI and p-value (the mSPRT of
-    :func:`steerserve.ab_stats.always_valid`; None where either side has n < 2): valid at every
+    :func:`steerserve.server.ab.stats.always_valid`; None where either side has n < 2): valid at every
     look, so the verdict stands on it."""
     av = ab_stats.always_valid(a, b, alpha)
     return {
@@ -471,7 +471,7 @@ def report(
     open store): what ``steerserve ab-report`` prints and the server's ``/experiments`` page
     shows (one code path for both; the server passes its experiment's split in ``splits`` for
     the sample-ratio check). ValueError: a store URL that cannot be read."""
-    from steerserve.server import ab_store
+    from steerserve.server.ab import store as ab_store
 
     if isinstance(source, ab_store.Store):
         rows, ignored = scan_records(source.records())

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from steerserve.server.ab_store.base import Store, StoreError, _Cursor
-from steerserve.server.experiment import StoreUnavailable
+from steerserve.server.ab.experiment import StoreUnavailable
+from steerserve.server.ab.store.base import Store, StoreError, _Cursor
 
 #: Seconds to open a connection (libpq's connect_timeout, unless the URL or PGCONNECT_TIMEOUT
 #: says): an unreachable host fails a start, or a retry, in bounded time.

@@ -3,10 +3,10 @@ decisions and feedback to and every report reads (``ab-report URL``, ``/experime
 feedback for an answer is joined whichever replica gets it, and the per-answer feedback cap
 holds across replicas.
 
-Two backends behind one interface (:class:`~steerserve.server.ab_store.base.Store`):
+Two backends behind one interface (:class:`~steerserve.server.ab.store.base.Store`):
 ``sqlite:///PATH`` (one file, WAL mode: several processes on one host; ``sqlite:////abs/path``)
 and ``postgresql://USER@HOST:PORT/DB`` (replicas on many hosts). Writes go through
-:class:`~steerserve.server.ab_store.writer.Writer`, off the request path.
+:class:`~steerserve.server.ab.store.writer.Writer`, off the request path.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from steerserve.server.ab_store.base import Store, StoreError
-from steerserve.server.experiment import StoreUnavailable
+from steerserve.server.ab.experiment import StoreUnavailable
+from steerserve.server.ab.store.base import Store, StoreError
 
 if TYPE_CHECKING:
-    from steerserve.server.ab_store.writer import Writer
+    from steerserve.server.ab.store.writer import Writer
     from steerserve.server.metrics import Metrics
 
 __all__ = ["Store", "StoreError", "StoreUnavailable", "is_store_url", "open_store", "open_writer"]
@@ -92,13 +92,13 @@ def _migrate(store: Store, scheme: str) -> None:
 
 def _backend(url: str, scheme: str) -> Store:
     if scheme == "sqlite":
-        from steerserve.server.ab_store.sqlite import SQLiteStore
+        from steerserve.server.ab.store.sqlite import SQLiteStore
 
         rest = url.split("://", 1)[1]
         if not rest.startswith("/") or rest in ("/", "/:memory:"):
             raise StoreError(f"{url!r}: a SQLite store is a file: {FORMS}")
         return SQLiteStore(url, Path(rest[1:]))
-    from steerserve.server.ab_store.postgres import PostgresStore
+    from steerserve.server.ab.store.postgres import PostgresStore
 
     return PostgresStore(url, shown(url))
 
@@ -118,7 +118,7 @@ def default_spill(store: Store) -> Path:
 def open_writer(url: str, spill: str | None, metrics: Metrics | None = None) -> Writer:
     """The server's store: opened and migrated, its writer thread started (its spill files
     from the last stop queued first). ValueError naming ``--ab-store`` when it cannot be used."""
-    from steerserve.server.ab_store.writer import Writer
+    from steerserve.server.ab.store.writer import Writer
 
     try:
         store = open_store(url)

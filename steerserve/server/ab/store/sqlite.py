@@ -7,8 +7,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from steerserve.server.ab_store.base import Store, StoreError, _Cursor
-from steerserve.server.experiment import StoreUnavailable
+from steerserve.server.ab.experiment import StoreUnavailable
+from steerserve.server.ab.store.base import Store, StoreError, _Cursor
 
 #: How long a statement waits for another process's write lock before the store counts as busy
 #: (the writer then retries; a feedback request answers from its queue or 503).

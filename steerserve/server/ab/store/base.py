@@ -12,8 +12,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from steerserve.server.ab_store import schema
-from steerserve.server.ab_store.schema import (
+from steerserve.server.ab.experiment import FeedbackLimit, StoreUnavailable
+from steerserve.server.ab.store import schema
+from steerserve.server.ab.store.schema import (
     COLUMNS,
     COMPONENT,
     DECISIONS,
@@ -21,7 +22,6 @@ from steerserve.server.ab_store.schema import (
     REPLICAS,
     VERSIONS,
 )
-from steerserve.server.experiment import FeedbackLimit, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steerserve.server.ab_store.base import Replica, Store, StoreError
-from steerserve.server.experiment import MAX_FEEDBACK_PER_ID, StoreUnavailable
+from steerserve.server.ab.experiment import MAX_FEEDBACK_PER_ID, StoreUnavailable
+from steerserve.server.ab.store.base import Replica, Store, StoreError
 
 if TYPE_CHECKING:
     from steerserve.server.metrics import Metrics
