@@ -71,7 +71,7 @@ def load_op() -> Any:
     """The project's op module, importable from the repository root without installing it."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from steerserve.engine import op
+    from steerserve.engine import kernels as op
 
     return op
 

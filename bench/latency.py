@@ -299,7 +299,7 @@ RULES = [
             "Queue.get",
         ),
     ),
-    ("steering hook + op", ("(steerserve/engine/buffers.py);hook", "steerserve/engine/op.py")),
+    ("steering hook + op", ("(steerserve/engine/buffers.py);hook", "steerserve/engine/kernels.py")),
     ("steering seam: index fill", ("prepare_step (steerserve",)),
     ("steering seam: slots", ("sync (steerserve",)),
     ("model forward", ("_model_forward (",)),

@@ -66,7 +66,7 @@ def op_rows(a: argparse.Namespace, name: str, x: torch.Tensor, step: tuple) -> l
     """The pieces of one operation with every request of the step running one entry of it at
     the middle layer (all positions); the bookkeeping and kernel alone for ``add`` (the delta
     pool) and ``ablate`` (standing for the non-additive kernel, which every such op shares)."""
-    from steerserve.engine.op import steer_add, steer_edit
+    from steerserve.engine.kernels import steer_add, steer_edit
     from steerserve.engine.ops import OPS
     from steerserve.engine.spec import EXTRA_ARGS_KEY, SteeringEntry, encode
 

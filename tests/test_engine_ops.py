@@ -165,7 +165,7 @@ def test_the_stated_order_non_additive_in_entry_order_then_add():
 
 
 def test_slots_release_and_an_idle_plugin_skips_both_kernels(monkeypatch):
-    import steerserve.engine.op as op
+    import steerserve.engine.kernels as op
 
     calls: list[str] = []
     real_add, real_edit = op._steer_add, op._steer_edit

@@ -180,7 +180,7 @@ class _Block(torch.nn.Module):
 def test_hook_skips_layers_no_running_request_steers_and_adds_on_the_rest(monkeypatch):
     """Issue 23: an idle layer returns the block's own output (no op, no copy); a steered layer
     adds its rows; with ``skip_idle`` off (GPU graphs) or while traced, the op always runs."""
-    import steerserve.engine.op as op
+    import steerserve.engine.kernels as op
 
     calls: list[int] = []
     real = op._steer_add

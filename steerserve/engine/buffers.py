@@ -14,7 +14,7 @@ Device buffers (allocated once, before the first forward, updated in place only)
 
 Per step the host computes the indexes with numpy (no Python per token) and copies them in one go;
 the ops then do ``steer_edit`` (if any slot) and ``hidden + pool[index[layer, :T]]`` on every
-steerable layer (``engine/op.py``).
+steerable layer (``engine/kernels.py``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class SteeringState:
     # ---- model wiring -------------------------------------------------------------------------
     def attach(self, layers: Sequence[torch.nn.Module], layer_ids: Iterable[int]) -> None:
         """Give each owned decoder layer its buffers and the hook that calls the op."""
-        from steerserve.engine import op
+        from steerserve.engine import kernels as op
 
         users, depth, compiling = self._layer_users, self._op_depth, torch.compiler.is_compiling
         edits = self.ops_per_layer > 0  # static: 0 keeps steer_edit out of the graph

@@ -9,7 +9,7 @@ residual stream ``h`` at the output of decoder block ``L`` on the tokens ``p`` s
 * ``interp``: ``(1 − s)·h + s·v``, s in [0, 1].
 
 Order on one layer: the non-additive entries first, in entry order, then the additive ones
-(summed into one delta). The engine (``engine/op.py``), the transformers oracle
+(summed into one delta). The engine (``engine/kernels.py``), the transformers oracle
 (``research/reference.py``) and the research runner (``research/runner.py``) apply this order.
 
 Everything else derives from :data:`OPS`: entry validation, wire encoding and cache salt
@@ -21,7 +21,7 @@ Adding an operation: one :class:`Op` row in :data:`OPS` with its ``reference`` (
 the stream, the one function the oracle and the research runner apply); an additive one also
 gives its ``delta`` (summed into the engine's delta pool), any other its ``affine``, its
 coefficients in the engine's one non-additive kernel
-``h' = a·h − b·(h·u)·u + c`` (``engine/op.py``), or, if it is not of that form, a kernel of its
+``h' = a·h − b·(h·u)·u + c`` (``engine/kernels.py``), or, if it is not of that form, a kernel of its
 own there. ``tests/test_engine_ops.py`` checks every copy against the registry and the kernel
 against the reference; the engine tests, parametrised over :func:`engine_ops`, hold a real
 engine to the oracle.

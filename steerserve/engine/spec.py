@@ -79,7 +79,7 @@ class RowPlan:
 @dataclass(frozen=True, slots=True)
 class OpPlan:
     """One non-additive entry's kernel row: at ``layer``, ``op`` with ``vector`` and ``scale``,
-    in op slot ``k`` of each ``(phase, k)`` it steers (slots apply in order, ``engine/op.py``)."""
+    in op slot ``k`` of each ``(phase, k)`` it steers (slots apply in order, ``engine/kernels.py``)."""
 
     layer: int
     op: str

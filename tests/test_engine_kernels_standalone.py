@@ -24,7 +24,7 @@ sys.meta_path.insert(0, NotInstalled())
 
 _OP_FINGERPRINT = """
 import torch
-from steerserve.engine import op
+from steerserve.engine import kernels as op
 
 g = torch.Generator().manual_seed(0)
 x = torch.randn(9, 16, generator=g).to(torch.bfloat16)
