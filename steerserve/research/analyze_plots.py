@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.analyze import CLASSES
 from steerserve.research.arms import base_arm
 

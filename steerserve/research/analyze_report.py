@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.analyze import CLASSES, Item, LensConfig
 from steerserve.research.analyze_plots import figures
 from steerserve.research.arms import UNSTEERED, base_arm

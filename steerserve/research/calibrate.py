@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.arms import UNSTEERED
 from steerserve.research.evaluate import generate, record_prompts
 from steerserve.research.extract import NORM_KEY, Candidates, unit_scaled

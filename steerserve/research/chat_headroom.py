@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research import evaluate as ev
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.facts import Fact, eval_records, load_facts, shots_for
 from steerserve.research.facts.chat import INSTRUCTION, messages
 from steerserve.research.replies import (

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.arms import (
     COMBINED,
     CONTROLS,

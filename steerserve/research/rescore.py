@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research import evaluate as ev
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.replies import Reply, read_replies, rejudge
 from steerserve.research.scoring import ArmResult, score_all
 

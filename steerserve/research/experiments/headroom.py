@@ -19,7 +19,7 @@ from steerserve.research.cache import cached, slim
 from steerserve.research.conditions import condition_records, conditions, langs_of
 from steerserve.research.experiments.base import Context, Experiment, Plan, ci, split_part
 from steerserve.research.facts import Fact
-from steerserve.research.report import pct
+from steerserve.research.reporting import pct
 from steerserve.research.runner import Runner
 from steerserve.research.scoring import summarise
 

@@ -21,7 +21,7 @@ from steerserve.research.experiments.base import Context, Experiment, Plan, ci, 
 from steerserve.research.extract import last_token_means
 from steerserve.research.facts import RELATIONS, Fact, load_facts
 from steerserve.research.prefixes import answer_position_note, at_answer_position
-from steerserve.research.report import pct, pyplot
+from steerserve.research.reporting import pct, pyplot
 from steerserve.research.runner import Edit, Runner
 from steerserve.research.scoring import summarise
 

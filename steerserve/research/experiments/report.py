@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.research.experiments.registry import EXPERIMENTS
-from steerserve.research.report import write
+from steerserve.research.reporting import write
 
 
 def write_report(report: Mapping[str, Any], out: Path) -> None:

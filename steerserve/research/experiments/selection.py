@@ -16,7 +16,7 @@ from typing import Any
 from steerserve.research.cache import cached, slim_steps
 from steerserve.research.conditions import langs_of
 from steerserve.research.experiments.base import Context, Plan, split_part
-from steerserve.research.report import pct
+from steerserve.research.reporting import pct
 from steerserve.research.runner import Edit, Runner
 from steerserve.research.scoring import compact, summarise
 

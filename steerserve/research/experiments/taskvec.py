@@ -19,7 +19,7 @@ from steerserve.research.experiments import selection
 from steerserve.research.experiments.base import Context, Experiment, Plan, floats, ints
 from steerserve.research.experiments.selection import confirm_md, select_confirm, top_md
 from steerserve.research.facts import Fact, load_facts
-from steerserve.research.report import pct
+from steerserve.research.reporting import pct
 from steerserve.research.runner import Edit, Runner
 
 

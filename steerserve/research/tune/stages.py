@@ -206,7 +206,7 @@ def test(ctx: Context) -> None:
 def publish(ctx: Context) -> None:
     """The gated artifact at ``--out`` (verified against the model) and its report beside it."""
     from steerserve.artifacts import load_artifact
-    from steerserve.research.tune.report import write_report
+    from steerserve.research.tune.summary import write_report
 
     out = ctx.cfg.out
     if (out / "manifest.json").exists():

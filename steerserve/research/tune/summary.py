@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from steerserve.research import report as R
+from steerserve.research import reporting as R
 from steerserve.research.arms import COMBINED
 from steerserve.research.tune.testing import AUTO
 
