@@ -23,8 +23,8 @@ EXAMPLES = 150
 #: The one seed (with ``deterministic``): the same cases every run, so a failure is a mismatch.
 SEED = 1
 #: The routes whose bodies are vLLM's request models.
-GENERATION_PATHS = r"^/v1/(chat/completions(/ab)?|completions)$"
-TOKENIZE_PATHS = r"^/v1/(tokenize|detokenize)$"
+GENERATION_PATHS = r"^/v1/(chat/completions(/ab)?|completions|responses)$"
+TOKENIZE_PATHS = r"^(/v1)?/(tokenize|detokenize)$"
 #: Checks that must have run (a config change that turned one off fails the test).
 CHECKS = {
     "not_a_server_error",

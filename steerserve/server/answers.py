@@ -19,6 +19,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponseChoice as _VCompletionChoice,
 )
+from vllm.entrypoints.openai.responses.protocol import ResponsesResponse as _VResponses
 
 
 class AppliedIntervention(BaseModel):
@@ -79,6 +80,14 @@ class Completion(_VCompletionResponse):
     """vLLM's completions answer plus the ``steering`` that was applied (and each prompt's)."""
 
     choices: list[CompletionChoice]
+    steering: SteeringInfo
+
+
+class ResponsesResponse(_VResponses):
+    """vLLM's Responses API answer plus the ``steering`` that was applied; a stream's
+    ``response.created``, ``response.in_progress`` and ``response.completed`` events carry it
+    in their ``response``."""
+
     steering: SteeringInfo
 
 

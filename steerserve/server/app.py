@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: factory, lifespan (engine in the background), error handlers
 and routes. Routes are thin: generation goes through ``pipeline.handle`` (one path for chat,
-completions and A/B), state and artifacts live in ``state.py``.
+completions, A/B and the Responses API), state and artifacts live in ``state.py``.
 
 Every request is validated in full (body, model, prompt length, steering) before it reaches the
 engine, so bad input is a 4xx in OpenAI's format and never a 500 or a silently unsteered answer.
@@ -32,6 +32,7 @@ from steerserve.server.answers import (
     Completion,
     ModelCard,
     ModelList,
+    ResponsesResponse,
     VectorListing,
 )
 from steerserve.server.errors import ApiError, ErrorResponse, allowed_methods, api_error
@@ -108,6 +109,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     _errors(app)
     app.include_router(_ops_router())
     app.include_router(_v1_router(), dependencies=[Depends(require_key)])
+    # vLLM serves tokenization at the root too (``vllm bench serve`` aligns prompts with it)
+    app.include_router(_tokenize_router(""), dependencies=[Depends(require_key)])
     app.include_router(pages.pages_router())
     admin = [Depends(require_key), Depends(require_admin)]
     app.include_router(pages.experiments_router(), dependencies=admin)
@@ -140,6 +143,7 @@ ADMIN_REFUSED = "without a key: refused beyond loopback, and under a Host name n
 REQUEST_MODELS: list[type[BaseModel]] = [
     P.ChatCompletionRequest,
     P.CompletionRequest,
+    P.ResponsesRequest,
     P.TokenizeRequest,
     P.DetokenizeRequest,
     P.VectorLoadRequest,
@@ -213,6 +217,21 @@ def _ops_router() -> APIRouter:
             return JSONResponse({"status": "failed", "error": str(s.load_error)}, 503)
         return JSONResponse({"status": "dead" if s.loaded else "loading"}, 503)
 
+    # vLLM's /ping (SageMaker's health check, GET or POST): its /health, which answers once the
+    # engine serves; this server answers while loading, so /ping says 200 once it is ready
+    @r.post("/ping", response_class=Response, responses={503: {"description": "not ready"}})
+    @r.get("/ping", response_class=Response, responses={503: {"description": "not ready"}})
+    async def ping(request: Request) -> Response:
+        """200 (no body) once the engine serves, else 503: vLLM's /ping, for SageMaker."""
+        return Response(status_code=200 if _state(request).ready else 503)
+
+    @r.get("/load")
+    async def load(request: Request) -> dict[str, int]:
+        """vLLM's /load: generation requests in flight (queued or running), always counted here
+        (vLLM counts them with --enable-server-load-tracking, else says 0)."""
+        m = _state(request).metrics
+        return {"server_load": int(m.registry.get_sample_value("steerserve_queue_depth") or 0)}
+
     @r.get("/version")
     async def version() -> dict[str, str]:
         """vLLM's ``/version`` (clients such as ``vllm bench serve`` read it), and ours."""
@@ -231,7 +250,7 @@ def _ops_router() -> APIRouter:
 
 
 async def _tokenization(request: Request, model: type[BaseModel], method: str) -> Response:
-    """``/v1/tokenize`` and ``/v1/detokenize`` through vLLM's serving layer (its shapes)."""
+    """``/tokenize`` and ``/detokenize`` through vLLM's serving layer (its shapes)."""
     s = _state(request)
     req: Any = await read_request(request, model, s.settings.max_body_bytes)
     req = getattr(req, "root", req)
@@ -247,6 +266,23 @@ async def _tokenization(request: Request, model: type[BaseModel], method: str) -
     if (err := hosted.answer_error(result)) is not None:
         raise err
     return JSONResponse(result.model_dump(mode="json"))
+
+
+def _tokenize_router(prefix: str) -> APIRouter:
+    """``/tokenize`` and ``/detokenize`` under ``prefix`` (vLLM serves both at the root and
+    under ``/v1``)."""
+    r = APIRouter(prefix=prefix)
+
+    @r.post("/tokenize", **_route(TokenizeRequest, TokenizeResponse))
+    async def tokenize_route(request: Request) -> Response:
+        """vLLM's tokenization of a prompt or chat, as ``vllm serve`` answers it."""
+        return await _tokenization(request, TokenizeRequest, "create_tokenize")
+
+    @r.post("/detokenize", **_route(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize_route(request: Request) -> Response:
+        return await _tokenization(request, DetokenizeRequest, "create_detokenize")
+
+    return r
 
 
 def _v1_router() -> APIRouter:
@@ -278,14 +314,12 @@ def _v1_router() -> APIRouter:
     async def completions(request: Request) -> Response:
         return await pipeline.handle(_state(request), request, endpoints.COMPLETIONS)
 
-    @r.post("/tokenize", **_route(TokenizeRequest, TokenizeResponse))
-    async def tokenize_route(request: Request) -> Response:
-        """vLLM's tokenization of a prompt or chat, as ``vllm serve`` answers it."""
-        return await _tokenization(request, TokenizeRequest, "create_tokenize")
+    @r.post("/responses", **_route(P.ResponsesRequest, ResponsesResponse, True))
+    async def responses(request: Request) -> Response:
+        """The OpenAI Responses API (vLLM's), steered as chat is."""
+        return await pipeline.handle(_state(request), request, endpoints.RESPONSES)
 
-    @r.post("/detokenize", **_route(DetokenizeRequest, DetokenizeResponse))
-    async def detokenize_route(request: Request) -> Response:
-        return await _tokenization(request, DetokenizeRequest, "create_detokenize")
+    r.include_router(_tokenize_router(""))
 
     @r.get(
         "/steering/vectors",

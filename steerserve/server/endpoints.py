@@ -1,16 +1,18 @@
-"""What differs between chat, completions and the A/B endpoint: the request schema, the checks
-before anything is rendered, the texts ``auto`` reads a language from, which of vLLM's serving
-calls answers, and where an answer carries its ``steering``. The path every request takes
-(``pipeline.py``) is shared; the answers' shapes are vLLM's (``hosted.py``)."""
+"""What differs between chat, completions, the A/B endpoint and the Responses API: the request
+schema, the checks before anything is rendered, the texts ``auto`` reads a language from, which
+of vLLM's serving calls answers, and where an answer carries its ``steering``. The path every
+request takes (``pipeline.py``) is shared; the answers' shapes are vLLM's (``hosted.py``)."""
 
 from __future__ import annotations
 
 import copy
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from steerserve.server import protocol as P
 from steerserve.server.errors import ApiError
+from steerserve.server.hosted import sse, under_plan
 
 MAX_PROMPTS = 128
 
@@ -19,9 +21,11 @@ class Endpoint:
     """What an endpoint defines; ``pipeline.handle`` does the rest."""
 
     name: str  # the metrics endpoint label
-    schema: type[P.ChatCompletionRequest] | type[P.CompletionRequest]
+    schema: type[P.ChatCompletionRequest] | type[P.CompletionRequest] | type[P.ResponsesRequest]
     id_prefix: str
     ab = False  # two arms, unsteered and steered
+    done = "data: [DONE]\n\n"  # a stream's last event
+    fields = ("max_tokens", "messages")  # a context-length refusal's: the budget, the prompt
 
     def admit(self, req: Any) -> None:
         """Refusals and defaults of this endpoint, before anything is tokenized."""
@@ -31,6 +35,15 @@ class Endpoint:
         lower: checked against the server's cap before anything is tokenized."""
         n = req.n or 1
         return n, f"n {n}", "n"
+
+    def answer_id(self, hexid: str) -> str:
+        """The answer's id (the decision log joins feedback by it), as vLLM's serving call
+        names it from :meth:`request_id`."""
+        return f"{self.id_prefix}-{hexid}"
+
+    def request_id(self, hexid: str) -> str:
+        """The ``request_id`` vLLM's serving call is given (chat and completions prefix it)."""
+        return hexid
 
     def size(self, req: Any) -> tuple[int, int, str]:
         """(characters of text, token ids) of the largest prompt, and its field: checked
@@ -50,6 +63,21 @@ class Endpoint:
 
     def echo_chunk(self, chunk: dict[str, Any], infos: list[Any], n: int, told: set[int]) -> None:
         """The same for a streamed chunk: on a choice's first chunk (``told`` tracks them)."""
+
+    def dump(self, result: Any) -> dict[str, Any]:
+        """A collected answer of vLLM's serving call as JSON."""
+        return result.model_dump(mode="json")
+
+    def label_chunk(self, chunk: dict[str, Any], model: str, steering: Any, first: bool) -> None:
+        """Name the model asked for (a preset's id) in a streamed chunk, and put the answer's
+        ``steering`` into its first chunk and its usage chunk."""
+        chunk["model"] = model
+        if first or (chunk.get("usage") and not chunk.get("choices")):
+            chunk["steering"] = steering
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        """A chunk as a server-sent event."""
+        return sse(chunk)
 
 
 class Chat(Endpoint):
@@ -140,16 +168,93 @@ class Completions(Endpoint):
                 c["steering"] = infos[c["index"] // n]
 
 
+class Responses(Endpoint):
+    """``POST /v1/responses``: the OpenAI Responses API, one answer per request (no ``n``)."""
+
+    name = "responses"
+    schema = P.ResponsesRequest
+    id_prefix = "resp"
+    done = ""  # vLLM's and OpenAI's Responses streams end with response.completed
+    fields = ("max_output_tokens", "input")
+
+    def sequences(self, req: P.ResponsesRequest) -> tuple[int, str, str]:
+        return 1, "1", "input"
+
+    def answer_id(self, hexid: str) -> str:
+        return self.request_id(hexid)
+
+    def request_id(self, hexid: str) -> str:
+        return f"resp_{hexid}"  # vLLM's Responses answer is named by it as it is
+
+    def size(self, req: P.ResponsesRequest) -> tuple[int, int, str]:
+        return sum(map(len, req.texts())), 0, "input"
+
+    def texts(self, req: P.ResponsesRequest, tokenizer: Any, vocab_size: int) -> list[str]:
+        return [req.user_text()]
+
+    def serve(self, serving: Any) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def create(req: P.ResponsesRequest, raw: Any) -> Any:
+            result = await serving.responses.create_responses(req, raw)
+            if isinstance(result, AsyncIterator):
+                return _event_texts(under_plan(result))
+            return result
+
+        return create
+
+    def dump(self, result: Any) -> dict[str, Any]:
+        return result.model_dump(mode="json", by_alias=True)
+
+    def label_chunk(self, chunk: dict[str, Any], model: str, steering: Any, first: bool) -> None:
+        """The events that carry the response object (created, in progress, completed) carry
+        the model asked for and the ``steering`` in it."""
+        if isinstance(response := chunk.get("response"), dict):
+            response["model"] = model
+            response["steering"] = steering
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        return f"event: {chunk.get('type', 'error')}\n{sse(chunk)}"
+
+
+#: The Responses events vLLM sends before the engine has answered anything.
+_OPENING = {"response.created", "response.in_progress"}
+
+
+async def _event_texts(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """vLLM's Responses events as ``data:`` events, the opening ones held back until the engine's
+    first output (or its refusal) comes: the pipeline waits for a stream's first event so that
+    a refusal is still a 4xx (``streaming.stream``)."""
+    held: list[str] | None = []
+    try:
+        async for event in events:
+            text = f"data: {event.model_dump_json(by_alias=True)}\n\n"
+            if held is None:
+                yield text
+                continue
+            held.append(text)
+            if getattr(event, "type", None) not in _OPENING:
+                for t in held:
+                    yield t
+                held = None
+        for t in held or ():
+            yield t
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 def copies(req: Any) -> int:
     """How many times the engine's one sample is repeated: ``n`` for greedy requests with n > 1
     (vLLM refuses those; OpenAI answers n choices, identical by definition), else 1."""
-    n = req.n or 1
+    n = getattr(req, "n", None) or 1
     return n if req.temperature is not None and req.temperature < 1e-5 and n > 1 else 1
 
 
 def repeat(body: dict[str, Any], n: int) -> None:
     """An answer or chunk of a request served with n = 1 as the ``n`` identical choices it
     stands for: choice i becomes choices i·n … i·n + n − 1, and usage counts every copy."""
+    if n == 1:
+        return
     choices = []
     for c in body.get("choices") or ():
         index = c["index"]
@@ -201,4 +306,4 @@ def check_ids(ids: list[int], vocab: int, field: str = "prompt") -> None:
 
 
 #: The endpoints :func:`steerserve.server.pipeline.handle` serves.
-CHAT, AB, COMPLETIONS = Chat(), ABChat(), Completions()
+CHAT, AB, COMPLETIONS, RESPONSES = Chat(), ABChat(), Completions(), Responses()

@@ -39,6 +39,9 @@ def grammars(req: Any) -> dict[str, Any]:
         for name in ("structured_outputs", "response_format")
         if getattr(req, name, None) is not None
     }
+    fmt = getattr(getattr(req, "text", None), "format", None)  # the Responses API's
+    if getattr(fmt, "type", None) == "json_schema":
+        out["text"] = fmt
     choice = getattr(req, "tool_choice", None)
     if getattr(req, "tools", None) and choice not in (None, "none", "auto"):
         out["tools"] = req.tools  # required or a named tool: its parameters become a grammar

@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from steerserve.engine.api import Prepared
 from steerserve.engine.spec import reserved_key
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from steerserve.server.enrolment import Enrolled
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: vLLM releases whose serving classes this seam was read against (docs/vllm-seams.md).
 KNOWN_VLLM = ("0.32.0", "0.33.0")
@@ -69,6 +70,7 @@ class Plan:
     experiment: Enrolled | None = None
     work: Budget | None = None  # the request's prompt work, shared by its arms (capacity.py)
     grammar: str | None = None  # the field of the request's structured-output grammar, if any
+    fields: tuple[str, str] = ("max_tokens", "messages")  # its budget's and its prompt's
     calls: int = 0
     tokens: dict[str, list[int]] = field(default_factory=dict)
     error: BaseException | None = None
@@ -93,7 +95,7 @@ class Plan:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {asked} tokens ({prompt_len} in the prompt, {self.budget or 1} "
                 "for the completion).",
-                param="max_tokens" if room > 0 else "messages",
+                param=self.fields[0] if room > 0 else self.fields[1],
                 code="context_length_exceeded",
             )
 
@@ -139,6 +141,25 @@ _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("steerserve_
 def planned(plan: Plan) -> contextvars.Token[Plan | None]:
     """Make ``plan`` the current task's (the serving call that follows reads it)."""
     return _PLAN.set(plan)
+
+
+def under_plan(events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``events`` read under this task's plan, whichever task reads them: a serving call that
+    calls the engine only as its stream is read (vLLM's Responses stream) does so from the task
+    that streams the answer, which did not plan it."""
+    return _read_under(_PLAN.get(), events)
+
+
+async def _read_under(plan: Plan | None, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        if plan is not None:
+            planned(plan)  # in the reading task's context (an async generator runs in it)
+        async for event in events:
+            yield event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 # --- the engine client vLLM's serving classes see ---------------------------------------------------
@@ -277,6 +298,7 @@ class Serving:
     completion: Any  # OpenAIServingCompletion
     tokenization: Any  # ServingTokenization
     tool_parser: str | None
+    responses: Any  # OpenAIServingResponses
 
 
 def tool_parser_for(template: str | None, asked: str | None) -> str | None:
@@ -303,13 +325,14 @@ def build(
     enable_auto_tool_choice: bool | None = None,
     chat_template: str | None = None,
 ) -> Serving:
-    """vLLM's chat, completions and tokenization serving on :class:`SteeringEngine`.
+    """vLLM's chat, completions, Responses and tokenization serving on :class:`SteeringEngine`.
     ``enable_auto_tool_choice`` None: on whenever a parser is in use (vLLM needs both flags)."""
     check_version()
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
     from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
     from vllm.renderers.chat_utils import load_chat_template
     from vllm.renderers.online_renderer import OnlineRenderer
@@ -355,4 +378,15 @@ def build(
         chat_template=template,
         chat_template_content_format="auto",
     )
-    return Serving(chat, completion, tokenization, parser)
+    responses = OpenAIServingResponses(
+        engine,
+        models,
+        renderer,
+        request_logger=None,
+        chat_template=template,
+        chat_template_content_format="auto",
+        enable_auto_tools=auto_tools,
+        tool_parser=parser,
+        enable_prompt_tokens_details=True,
+    )
+    return Serving(chat, completion, tokenization, parser, responses)

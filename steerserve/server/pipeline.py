@@ -98,14 +98,16 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         ]
     arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
     call.arm = "ab" if ep.ab else arms[0].label
-    if req.use_beam_search and any(a.prepared.steered for p in per_prompt for a in p):
+    if getattr(req, "use_beam_search", False) and any(
+        a.prepared.steered for p in per_prompt for a in p
+    ):
         raise ApiError(
             "use_beam_search: beam search is not steered (vLLM builds each step's sampling "
             "anew); leave it out or turn steering off",
             param="use_beam_search",
         )
     hexid = uuid.uuid4().hex
-    rid = f"{ep.id_prefix}-{hexid}"
+    rid = ep.answer_id(hexid)
     await decide(state, call.experiment, call.endpoint, rid, arms[0].info, texts)
     n_copies = copies(req)
     gens: list[AsyncGenerator[Any, None]] = []
@@ -124,6 +126,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             call.experiment,
             work,
             grammar_field,
+            ep.fields,
         )
         for a in range(len(arms))
     ]
@@ -133,7 +136,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         # each arm its own request: vLLM's tool parsers adjust the one they get, and its
         # message parts are one-pass iterators (read up by the checks above)
         r = parse_request(ep.schema, body)
-        r.seed, r.request_id = req.seed, hexid + arms[a].suffix
+        r.seed, r.request_id = req.seed, ep.request_id(hexid) + arms[a].suffix
         r.model = state.model_name  # vLLM's serving layer knows the base model, not presets
         if n_copies > 1:
             r.n = 1
@@ -182,11 +185,11 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         return Response(status_code=499)
     bodies = []
     for a, (arm, result) in enumerate(zip(arms, results, strict=True)):
-        body = result.model_dump(mode="json")
+        body = ep.dump(result)
         body["model"] = req.model  # the preset's id when one was asked for
         body["steering"] = arm.info.model_dump(mode="json")
         repeat(body, n_copies)
-        ep.echo(body, infos[a], req.n or 1)
+        ep.echo(body, infos[a], getattr(req, "n", None) or 1)
         bodies.append(body)
     if ep.ab:
         texts_of = [[c["message"].get("content") for c in b["choices"]] for b in bodies]

@@ -32,6 +32,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as _VChat,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as _VCompletion
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest as _VResponses
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest as _VDetokenize
 from vllm.entrypoints.serve.tokenize.protocol import (  # noqa: F401 (the tokenize routes')
     DetokenizeResponse,
@@ -364,6 +365,56 @@ class CompletionRequest(_VCompletion):
 
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+
+#: Responses fields this server cannot honour (vLLM's in-memory store is off: see
+#: ``VLLM_ENABLE_RESPONSES_API_STORE``), refused with the reason instead of vLLM's.
+RESPONSES_REFUSED = {
+    "background": "background responses are not served: send the request and wait for it, or "
+    "stream it",
+}
+
+
+class ResponsesRequest(_VResponses):
+    """vLLM's Responses API request (``POST /v1/responses``), strict, plus ``steering``."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra=_publish_strict)
+
+    model: str
+    steering: Steering = Field(None, description=STEERING_DOC)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        data = _strict_fields(cls, data)
+        for key, why in RESPONSES_REFUSED.items():
+            if isinstance(data, dict) and data.get(key):
+                raise PydanticCustomError("refused", "{message}", {"message": why, "field": key})
+        return data
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as a list of items (a string is one user message), each a dict."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [i if isinstance(i, dict) else i.model_dump() for i in self.input]
+
+    def texts(self) -> list[str]:
+        """The instructions' and every item's text (the size check): message contents, tool
+        calls' arguments and tool outputs."""
+        out = [self.instructions or ""]
+        for item in self.input_items():
+            out += [_text(item.get(k)) for k in ("content", "arguments", "output")]
+        return out
+
+    def user_text(self) -> str:
+        """The last user message's text: the language ``auto`` steers by."""
+        for item in reversed(self.input_items()):
+            if item.get("role") == "user":
+                return _text(item.get("content"))
+        return ""
+
+    def token_budget(self) -> int | None:
+        return self.max_output_tokens
 
 
 class _Strict(BaseModel):

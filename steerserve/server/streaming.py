@@ -17,12 +17,10 @@ from steerserve.server.drain import Drain
 from steerserve.server.endpoints import Endpoint, repeat
 from steerserve.server.errors import ApiError
 from steerserve.server.flight import Call, ClientGone, Flight, until_disconnect
-from steerserve.server.hosted import Plan, error_from_vllm, event_json, first_event, sse
+from steerserve.server.hosted import Plan, error_from_vllm, event_json, first_event
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState
-
-DONE = "data: [DONE]\n\n"
 
 
 async def stream(
@@ -98,7 +96,7 @@ async def _events(
     """vLLM's events of every arm, each chunk given its ``steering`` (the answer's on the first
     chunk and the usage chunk, a prompt's on its choices' first chunks) and, in an A/B stream, its
     ``arm``; one ``[DONE]``; an error as a final OpenAI-format event."""
-    n = req.n or 1
+    n = getattr(req, "n", None) or 1
     told: list[set[int]] = [set() for _ in streams]
     first_chunk = [True for _ in streams]
     async with Flight(state, call, request, gens) as flight:
@@ -111,22 +109,23 @@ async def _events(
                 if "error" in body:
                     err = _error(plans[a], body["error"], state)
                     flight.status = err.status
-                    yield sse(err.body())
+                    yield ep.sse(err.body())
                     continue
-                body["model"] = req.model  # the preset's id when one was asked for
-                if first_chunk[a] or (body.get("usage") and not body.get("choices")):
-                    body["steering"] = arms[a].info.model_dump(mode="json")
-                    first_chunk[a] = False
+                # the preset's id when one was asked for, and the answer's steering
+                ep.label_chunk(
+                    body, req.model, arms[a].info.model_dump(mode="json"), first_chunk[a]
+                )
+                first_chunk[a] = False
                 repeat(body, copies)
                 ep.echo_chunk(body, infos[a], n, told[a])
                 if labels[a] is not None:
                     body["arm"] = labels[a]
-                yield sse(body)
-            yield DONE
+                yield ep.sse(body)
+            yield ep.done
             flight.delivered = True
         except Exception as e:
-            yield sse(flight.failed(e).body())
-            yield DONE
+            yield ep.sse(flight.failed(e).body())
+            yield ep.done
             flight.delivered = True
         finally:
             await merged.aclose()
