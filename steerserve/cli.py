@@ -150,15 +150,31 @@ vectors_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(vectors_app, name="vectors")
-_ROOT_HELP = "Directory holding the artifacts (vectors/<model>/<version>/)."
+_ROOT_HELP = (
+    "Directory holding the artifacts (<model>/<version>/); default: the shipped vectors (vectors/ "
+    "of the source tree, or of the installed package)."
+)
+
+
+def _root(given: Path | None) -> Path:
+    """``--root``, else the shipped vectors (as the server finds them); a folder that is not there
+    is an error, not an empty listing."""
+    from steerserve.artifacts import default_vectors_dir
+
+    root = given or Path(default_vectors_dir())
+    if not root.is_dir():
+        raise typer.BadParameter(f"{root}: no such directory", param_hint="--root")
+    return root
 
 
 @vectors_app.command("list")
-def vectors_list(root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP)) -> None:
+def vectors_list(
+    root: Path = typer.Option(None, help=_ROOT_HELP, show_default=False),
+) -> None:
     """List the artifacts under ROOT with their model and recommended layer/scale."""
     from steerserve.artifacts import view as vectors_view
 
-    raise typer.Exit(vectors_view.list_artifacts(root))
+    raise typer.Exit(vectors_view.list_artifacts(_root(root)))
 
 
 @vectors_app.command("show")
@@ -166,12 +182,12 @@ def vectors_show(
     ref: str = typer.Argument(
         help="NAME[/VERSION] under ROOT (latest version if omitted), or a path."
     ),
-    root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
+    root: Path = typer.Option(None, help=_ROOT_HELP, show_default=False),
 ) -> None:
     """Show one artifact: model binding, interventions, provenance, calibration winner."""
     from steerserve.artifacts import view as vectors_view
 
-    raise typer.Exit(vectors_view.show(ref, root))
+    raise typer.Exit(vectors_view.show(ref, _root(root)))
 
 
 @vectors_app.command("verify")
@@ -182,12 +198,12 @@ def vectors_verify(
     model: Path | None = typer.Option(
         None, "--model", help="Also check the artifacts fit this local HF checkpoint."
     ),
-    root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
+    root: Path = typer.Option(None, help=_ROOT_HELP, show_default=False),
 ) -> None:
     """Verify artifacts (schema, checksums, shapes, NaN/Inf, layers, model); exit 1 on any failure."""
     from steerserve.artifacts import view as vectors_view
 
-    raise typer.Exit(vectors_view.verify(paths or [], root, model))
+    raise typer.Exit(vectors_view.verify(paths or [], _root(root), model))
 
 
 @vectors_app.command("gate")
@@ -197,14 +213,14 @@ def vectors_gate(
     gates: Path = typer.Option(
         ..., "--gates", help='JSON: {"fr": {"multiplier": 0, "confirmation": {...}}, ...}.'
     ),
-    root: Path = typer.Option(Path("vectors"), help=_ROOT_HELP),
+    root: Path = typer.Option(None, help=_ROOT_HELP, show_default=False),
     description: str = typer.Option(None, help="Default: the source's description."),
 ) -> None:
     """Publish SRC's vectors as a new VERSION whose 'auto' steers only the languages GATES lets
     through (a published version never changes); exit 1 on any refusal."""
     from steerserve.artifacts import gate as vg
 
-    raise typer.Exit(vg.gate(src, version, gates, root, description))
+    raise typer.Exit(vg.gate(src, version, gates, _root(root), description))
 
 
 # --- lab: the research commands (option parsing in research/cli.py) ------------------------------

@@ -151,7 +151,7 @@ def test_an_existing_version_or_a_missing_source_is_refused(root: Path, tmp_path
     res = gate(root, off, "tiny-llama/v7")
     assert res.exit_code == 1 and "no artifact 'tiny-llama/v7'" in res.output, res.output
     res = gate(root, tmp_path / "missing.json", "tiny-llama/v1", "--root", str(tmp_path / "x"))
-    assert res.exit_code == 1
+    assert res.exit_code == 2 and "no such directory" in res.output, res.output  # a usage error
 
 
 # --- the shipped default artifact of the chat model ----------------------------------------------
