@@ -282,12 +282,12 @@ def _w4_dir(s: ServeSettings, model_dir: Path, on_gpu: bool) -> Path | None:
     choice = s.embedded_quantization
     if not serve_w4(choice, on_gpu):
         return None
-    w4 = w4_dir(model_dir)
-    why = None
-    if w4 is None:
-        why = f"{model_dir} has no 4-bit checkpoint (written for the embedded chat model)"
-    elif s.dtype not in ("auto", *W4_DTYPES):
+    # The dtype first: w4_dir writes the sibling on first use (minutes), not to be refused after.
+    why, w4 = None, None
+    if s.dtype not in ("auto", *W4_DTYPES):
         why = f"4-bit weights compute in {' or '.join(W4_DTYPES)}, not --dtype {s.dtype}"
+    elif (w4 := w4_dir(model_dir)) is None:
+        why = f"{model_dir} has no 4-bit checkpoint (written for the embedded chat model)"
     if why and choice == "w4":
         raise OptionError(why, "--embedded-quantization")
     if why:
