@@ -400,7 +400,7 @@ def train_vector(
     threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
 ) -> None:
     """Learn one steering vector by gradient on the gold name after the model's own prefix,
-    pooled over the non-English languages, English kept by a KL term (issue 20)."""
+    pooled over the non-English languages, English kept by a KL term."""
     from steerserve.research import train_vector as tv
     from steerserve.research import train_vector_run as tr
 
