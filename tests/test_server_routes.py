@@ -139,6 +139,9 @@ def test_responses_refusals(oai: openai.OpenAI, http: httpx.Client) -> None:
         ({"background": True}, "background"),
         ({"bogus": 1}, "bogus"),
     ]
+    gone = {"model": MODEL, "input": EN, "previous_response_id": "resp_x"}
+    r = http.post("/v1/responses", json=gone)  # vLLM's store is off: nothing to continue
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
     for extra, param in cases:
         r = http.post("/v1/responses", json={"model": MODEL, "input": EN, **extra})
         assert r.status_code == 400, (extra, r.text)
