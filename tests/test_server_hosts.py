@@ -101,10 +101,13 @@ def test_every_keyed_route_on_loopback_without_key_answers_loopback_host_names_o
     server: Server,
 ) -> None:
     """Generation, feedback and the listings too (issue 44): a rebound page could otherwise
-    enrol and score requests, poisoning the A/B result. /health, /ready and /metrics stay open."""
+    enrol and score requests, poisoning the A/B result. /health, /ready, /metrics, /ping and
+    /load stay open."""
     calls = {
         "chat": ("POST", "/v1/chat/completions", chat_body("hi", user="u1")),
         "completions": ("POST", "/v1/completions", {"model": "llama", "prompt": "a"}),
+        "responses": ("POST", "/v1/responses", {"model": "llama", "input": "a"}),
+        "tokenize": ("POST", "/tokenize", {"model": "llama", "prompt": "a"}),
         "feedback": ("POST", "/v1/steering/feedback", {"id": "chatcmpl-x", "score": 1}),
         "models": ("GET", "/v1/models", None),
         "vectors": ("GET", "/v1/steering/vectors", None),
@@ -115,7 +118,7 @@ def test_every_keyed_route_on_loopback_without_key_answers_loopback_host_names_o
                 r = c.request(method, path, json=body, headers={"Host": host})
                 assert r.status_code == 403, (host, what, r.text)
                 assert r.json()["error"]["code"] == "untrusted_host", (host, what)
-            for path in ("/health", "/ready", "/metrics"):
+            for path in ("/health", "/ready", "/metrics", "/ping", "/load"):
                 assert c.get(path, headers={"Host": host}).status_code == 200, (host, path)
         local = {"Host": f"localhost:{server.port}"}
         assert c.post("/v1/chat/completions", json=calls["chat"][2], headers=local).is_success
