@@ -108,7 +108,9 @@ def test_the_reader_sees_a_circle() -> None:
 
 
 def test_no_import_circles() -> None:
-    edges = graph()
+    """None at run time, and none through the type checker's imports either (a circle that
+    only types close is still two modules that cannot be read one before the other)."""
+    edges = graph(typed=True)
     assert len(edges) > 100 and sum(map(len, edges.values())) > 300  # it read the package
     assert cycles(edges) == []
 

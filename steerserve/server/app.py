@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from steerserve.server import endpoints, hosted, pages, pipeline
+from steerserve.server import endpoints, pages, pipeline, vllm_errors
 from steerserve.server import protocol as P
 from steerserve.server.answers import (
     ABResponse,
@@ -262,8 +262,8 @@ async def _tokenization(request: Request, model: type[BaseModel], method: str) -
     try:
         result = await getattr(s.serving.tokenization, method)(req, request)
     except Exception as e:
-        raise (hosted.raised_error(e) or e) from None
-    if (err := hosted.answer_error(result)) is not None:
+        raise (vllm_errors.raised_error(e) or e) from None
+    if (err := vllm_errors.answer_error(result)) is not None:
         raise err
     return JSONResponse(result.model_dump(mode="json"))
 

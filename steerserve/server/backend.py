@@ -31,9 +31,10 @@ from steerserve.engine.api import (
     with_steering,
 )
 from steerserve.engine.registry import RegisteredVector, VectorRegistry
-from steerserve.server.drain import GRACE, Drain
+from steerserve.server.drain import GRACE
 from steerserve.server.engine_exit import await_own_stop, engine_processes
 from steerserve.server.errors import ApiError
+from steerserve.server.vllm_errors import EngineAborted
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,12 +184,6 @@ class Backend:
             await asyncio.to_thread(llm.shutdown)
 
 
-class EngineAborted(Exception):
-    """The engine ended a request without answering it: one that reaches a stopping EngineCore
-    (after a SIGINT/SIGTERM to the group) is refused with an "abort" finish, which must not
-    reach the client as a 200 with no text."""
-
-
 async def _answered(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
     """``gen``'s outputs, raising :class:`EngineAborted` at one the engine aborted (the server's
     own aborts close the generator instead, so they never show here)."""
@@ -249,39 +244,3 @@ def longest_token(tokenizer: Any) -> int:
     are one character per byte, SentencePiece's are the text with ``▁`` for a space (or
     ``<0xNN>`` for one byte)."""
     return max(1, max(map(len, tokenizer.get_vocab()), default=1))
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-def engine_error(e: BaseException, drain: Drain | None = None) -> ApiError:
-    """An engine exception as an API error: the caller's fault (4xx) or ours (5xx). A request
-    the engine aborted while the server stops is one the drain dropped (counted: exit 1)."""
-    if isinstance(e, BaseExceptionGroup):
-        return engine_error(e.exceptions[0], drain)
-    if isinstance(e, ApiError):
-        return e
-    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-
-    if drain is not None and isinstance(e, (EngineAborted, EngineGenerateError, EngineDeadError)):
-        return drain.error()  # the engine stopped with the server, before answering
-    if isinstance(e, EngineAborted):
-        return ApiError(
-            "the engine stopped this request before answering it; retry it",
-            status=503,
-            type="service_unavailable",
-        )
-    from vllm.exceptions import GracefulHTTPError, VLLMClientError
-
-    from steerserve.server.hosted import raised_error
-
-    if (request_error := raised_error(e)) is not None:  # vLLM's serving layer refused it
-        return request_error
-    if isinstance(e, GracefulHTTPError):
-        return ApiError(e.message, status=int(e.http_status), type="service_unavailable")
-    if isinstance(e, (VLLMClientError, ValueError)):
-        return ApiError(str(e))
-    if isinstance(e, EngineDeadError):
-        return ApiError("the engine died", status=503, type="service_unavailable")
-    logger.error("generation failed", exc_info=e)
-    return ApiError("generation failed", status=500, type="server_error")

@@ -6,12 +6,17 @@ its metrics and log line (:func:`settle_experiment`).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from steerserve.server.ab.experiment import STEERED, SUBJECT_HEADER, UNENROLLED, header_subject
+from steerserve.server.ab.experiment import (
+    STEERED,
+    SUBJECT_HEADER,
+    UNENROLLED,
+    Enrolled,
+    header_subject,
+)
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
 from steerserve.server.endpoints import Endpoint
 from steerserve.server.errors import ApiError
@@ -20,24 +25,6 @@ from steerserve.server.steering import SteeringSpec
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState
-
-
-@dataclass
-class Enrolled:
-    """A request under the server's A/B experiment: its ``experiment`` echo and, when enrolled,
-    what the decision log gets once it is answered (``replies`` only with --ab-log-content)."""
-
-    echo: ExperimentInfo
-    rid: str = ""
-    decision: dict[str, Any] | None = None
-    replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
-    preset: str | None = None  # the steered arm's preset (--ab-preset)
-
-    def add_replies(self, i: int, out: Any) -> None:
-        """A streamed step's text deltas of prompt ``i``."""
-        assert self.replies is not None
-        for c in out.outputs:
-            self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
 
 
 def enrol(

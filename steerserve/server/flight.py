@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from steerserve.server.backend import engine_error
+from steerserve.server.ab.experiment import Enrolled
 from steerserve.server.capacity import Ticket
 from steerserve.server.drain import Drain
-from steerserve.server.enrolment import Enrolled, settle_experiment
+from steerserve.server.enrolment import settle_experiment
 from steerserve.server.errors import ApiError
+from steerserve.server.vllm_errors import engine_error
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState

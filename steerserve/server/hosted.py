@@ -29,8 +29,8 @@ from steerserve.server.capacity import Budget
 from steerserve.server.errors import ApiError
 
 if TYPE_CHECKING:
+    from steerserve.server.ab.experiment import Enrolled
     from steerserve.server.backend import Backend
-    from steerserve.server.enrolment import Enrolled
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -205,64 +205,6 @@ class SteeringEngine:
 # --- vLLM's answers and errors as ours ------------------------------------------------------------
 
 #: vLLM's error ``type`` strings (exception class names) as OpenAI's.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    500: "server_error",
-    501: "invalid_request_error",
-    503: "service_unavailable",
-}
-
-
-def _code(message: str) -> str | None:
-    """OpenAI's ``code`` for a vLLM message that has one (vLLM's ``code`` is the HTTP status)."""
-    return "context_length_exceeded" if "maximum context length" in message else None
-
-
-def error_from_vllm(err: dict[str, Any]) -> ApiError:
-    """vLLM's ``{"message", "type", "param", "code": <http status>}`` as our :class:`ApiError`."""
-    status = int(err.get("code") or 400)
-    status = status if 400 <= status < 600 else 500
-    if status == 501:  # "not implemented" features of a request: the request's to change
-        status = 400
-    param = err.get("param")
-    message = str(err.get("message") or "error")
-    if param and not message.startswith(f"{param}:"):
-        message = f"{param}: {message}"
-    kind = _TYPES.get(status, "server_error")
-    return ApiError(message, status=status, param=param, type=kind, code=_code(message))
-
-
-def answer_error(result: Any) -> ApiError | None:
-    """The :class:`ApiError` of a serving call that answered vLLM's ``ErrorResponse``."""
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-    if isinstance(result, ErrorResponse):
-        return error_from_vllm(result.error.model_dump())
-    return None
-
-
-def raised_error(e: BaseException) -> ApiError | None:
-    """A request-side exception vLLM's serving code raises (``VLLMValidationError`` names its
-    ``parameter``) as a 400; None for anything else (engine faults: ``backend.engine_error``)."""
-    if isinstance(e, ApiError):
-        return e
-    from vllm.exceptions import VLLMValidationError
-
-    if isinstance(e, VLLMValidationError):
-        param = getattr(e, "parameter", None)
-        msg = str(e)
-        return ApiError(f"{param}: {msg}" if param else msg, param=param, code=_code(msg))
-    from jinja2 import TemplateError
-
-    if isinstance(e, (TemplateError, ValueError)):
-        return ApiError(str(e) or type(e).__name__, code=_code(str(e)))
-    return None
-
-
 # --- streamed answers: vLLM's server-sent events, rewritten -------------------------------------
 
 

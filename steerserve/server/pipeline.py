@@ -34,12 +34,13 @@ from steerserve.server.endpoints import Endpoint, check_sequences, copies, repea
 from steerserve.server.enrolment import decide, enrol
 from steerserve.server.errors import ApiError
 from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
-from steerserve.server.hosted import Plan, answer_error, planned, raised_error
+from steerserve.server.hosted import Plan, planned
 from steerserve.server.policy import OFF
 from steerserve.server.presets import Preset
 from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
 from steerserve.server.streaming import stream
+from steerserve.server.vllm_errors import answer_error, raised_error
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState

@@ -48,6 +48,7 @@ from steerserve.server.ab.experiment import SCORE_MAX, SCORE_MIN
 from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error, field_path
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
+from steerserve.server.vllm_errors import raised_error
 
 _STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)
 
@@ -505,8 +506,7 @@ def parse_request(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except VLLMValidationError as e:  # vLLM's own checks (not a ValueError: pydantic passes it)
-        param = getattr(e, "parameter", None)
-        raise ApiError(f"{param}: {e}" if param else str(e), param=param) from None
+        raise raised_error(e) or ApiError(str(e)) from None
     except (AttributeError, TypeError, KeyError) as e:  # a vLLM check read a field of a wrong type
         raise _wrong_type(model, body, e) from None
     except ValidationError as e:

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from steerserve.server.backend import engine_error
 from steerserve.server.drain import Drain
 from steerserve.server.endpoints import Endpoint, repeat
 from steerserve.server.errors import ApiError
 from steerserve.server.flight import Call, ClientGone, Flight, until_disconnect
-from steerserve.server.hosted import Plan, error_from_vllm, event_json, first_event
+from steerserve.server.hosted import Plan, event_json, first_event
+from steerserve.server.vllm_errors import engine_error, error_from_vllm
 
 if TYPE_CHECKING:
     from steerserve.server.state import ServerState

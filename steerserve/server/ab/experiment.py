@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steerserve.server.answers import ExperimentInfo
 from steerserve.server.steering import Auto, Off, On, SteeringSpec
 
 logger = logging.getLogger(__name__)
@@ -374,3 +375,21 @@ class Decisions:
 def _line(rec: dict[str, Any]) -> dict[str, Any]:
     """A feedback record as the JSONL log's line (the store's idempotency key left out)."""
     return {k: v for k, v in rec.items() if k != "fid"}
+
+
+@dataclass
+class Enrolled:
+    """A request under the server's A/B experiment: its ``experiment`` echo and, when enrolled,
+    what the decision log gets once it is answered (``replies`` only with --ab-log-content)."""
+
+    echo: ExperimentInfo
+    rid: str = ""
+    decision: dict[str, Any] | None = None
+    replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
+    preset: str | None = None  # the steered arm's preset (--ab-preset)
+
+    def add_replies(self, i: int, out: Any) -> None:
+        """A streamed step's text deltas of prompt ``i``."""
+        assert self.replies is not None
+        for c in out.outputs:
+            self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
