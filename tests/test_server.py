@@ -1287,8 +1287,8 @@ def test_corrupt_artifact_refuses_start(
 #: The server's modules, callers before callees: a request only ever calls downwards.
 LAYERS = (
     "app", "guard", "pipeline", "streaming", "flight", "enrolment", "state", "endpoints", "hosted",
-    "policy", "backend", "drain", "capacity", "grammar", "protocol", "answers", "errors",
-    "steering", "metrics", "defaults",
+    "policy", "backend", "drain", "capacity", "grammar", "experiment", "protocol", "answers",
+    "vllm_errors", "errors", "steering", "metrics", "defaults",
 )  # fmt: skip
 
 

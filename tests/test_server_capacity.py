@@ -1,4 +1,4 @@
-"""What one request may cost everyone else (``server/capacity.py``): the seats large requests
+"""What one request may cost everyone else (``server/generate/capacity.py``): the seats large requests
 leave to small ones and to other clients, and the prompt work one request may send; the seat
 rules in-process, the caps over real HTTP on the tiny Llama."""
 
@@ -13,8 +13,8 @@ import httpx
 import pytest
 from test_server import MODEL, tiny_http
 
-from steerserve.server.capacity import Budget, Seats, budget, reserved
 from steerserve.server.errors import ApiError
+from steerserve.server.generate.capacity import Budget, Seats, budget, reserved
 
 # --- the seats, in-process ------------------------------------------------------------------------
 
@@ -142,7 +142,7 @@ def test_a_request_over_its_prompt_work_is_a_400_naming_the_field(http: httpx.Cl
     assert http.get("/ready").status_code == 200
 
 
-# --- structured-output grammars (server/grammar.py) -----------------------------------------------
+# --- structured-output grammars (server/generate/grammar.py) -----------------------------------------------
 
 
 def big_schema(props: int) -> dict:
@@ -151,7 +151,7 @@ def big_schema(props: int) -> dict:
 
 
 def test_a_grammar_past_its_bound_is_a_400_naming_its_field(http: httpx.Client) -> None:
-    from steerserve.server.grammar import MAX_GRAMMAR_CHARS
+    from steerserve.server.generate.grammar import MAX_GRAMMAR_CHARS
 
     big = big_schema(1500)
     assert len(json.dumps(big)) > MAX_GRAMMAR_CHARS
@@ -189,7 +189,7 @@ def test_an_engine_side_grammar_failure_is_a_400_naming_the_field() -> None:
     xgrammar's compile timeout: on a large vocabulary only, so the output is built here)."""
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from steerserve.server.hosted import Plan
+    from steerserve.server.generate.hosted import Plan
 
     failed = CompletionOutput(0, "", [], None, None, finish_reason="error")
     out = RequestOutput("r", None, [1, 2], None, [failed], finished=True)

@@ -12,7 +12,7 @@ from steerserve.engine.registry import VectorRegistry
 from steerserve.engine.spec import SteeringEntry
 from steerserve.server.answers import SteeringInfo
 from steerserve.server.errors import ApiError
-from steerserve.server.policy import Decision, LanguageDetector, SteeringPolicy
+from steerserve.server.generate.policy import Decision, LanguageDetector, SteeringPolicy
 from steerserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

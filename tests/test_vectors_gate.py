@@ -187,7 +187,7 @@ def test_the_shipped_v1_1_is_v1_gated_by_the_command(tmp_path: Path) -> None:
     date); it is the newest version, and its ``auto`` steers no language while ``true`` still
     applies v1's interventions."""
     from steerserve.engine.registry import VectorRegistry
-    from steerserve.server.policy import SteeringPolicy
+    from steerserve.server.generate.policy import SteeringPolicy
     from steerserve.server.steering import Auto, On
 
     root = tmp_path / "vectors"

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from steerserve.server import endpoints, pages, pipeline, vllm_errors
+from steerserve.server import pages, vllm_errors
 from steerserve.server import protocol as P
 from steerserve.server.answers import (
     ABResponse,
@@ -36,6 +36,7 @@ from steerserve.server.answers import (
     VectorListing,
 )
 from steerserve.server.errors import ApiError, ErrorResponse, allowed_methods, api_error
+from steerserve.server.generate import endpoints, pipeline
 from steerserve.server.guard import Guard
 from steerserve.server.protocol import (
     DetokenizeRequest,

@@ -189,7 +189,7 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
     passed = vllm_engine_args(engine_args)  # before the model: a typo costs nothing
     check_presets(tuple(s.preset), s.ab_preset)
     if s.tool_call_parser not in ("auto", "none"):
-        from steerserve.server.hosted import tool_parser_for
+        from steerserve.server.generate.hosted import tool_parser_for
 
         try:
             tool_parser_for(None, s.tool_call_parser)

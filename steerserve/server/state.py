@@ -17,7 +17,6 @@ from typing import Any
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
 from steerserve.engine.spec import SteeringError
-from steerserve.server import hosted
 from steerserve.server.ab.experiment import (
     MAX_FEEDBACK_PER_ID,
     STEERED,
@@ -31,12 +30,13 @@ from steerserve.server.ab.experiment import (
 )
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
-from steerserve.server.capacity import Seats
 from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
+from steerserve.server.generate import hosted
+from steerserve.server.generate.capacity import Seats
+from steerserve.server.generate.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.metrics import Metrics
-from steerserve.server.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
 from steerserve.server.settings import default
 from steerserve.server.steering import MODES, Off

@@ -26,20 +26,20 @@ from fastapi.responses import JSONResponse, Response
 
 from steerserve.engine.api import UNSTEERED, Prepared
 from steerserve.engine.spec import SteeringError, short_repr
-from steerserve.server import grammar
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
-from steerserve.server.capacity import Budget, budget
 from steerserve.server.defaults import seqs_per_request
-from steerserve.server.endpoints import Endpoint, check_sequences, copies, repeat
-from steerserve.server.enrolment import decide, enrol
 from steerserve.server.errors import ApiError
-from steerserve.server.flight import Call, Flight, finish, refused, until_disconnect
-from steerserve.server.hosted import Plan, planned
-from steerserve.server.policy import OFF
+from steerserve.server.generate import grammar
+from steerserve.server.generate.capacity import Budget, budget
+from steerserve.server.generate.endpoints import Endpoint, check_sequences, copies, repeat
+from steerserve.server.generate.enrolment import decide, enrol
+from steerserve.server.generate.flight import Call, Flight, finish, refused, until_disconnect
+from steerserve.server.generate.hosted import Plan, planned
+from steerserve.server.generate.policy import OFF
+from steerserve.server.generate.streaming import stream
 from steerserve.server.presets import Preset
 from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
-from steerserve.server.streaming import stream
 from steerserve.server.vllm_errors import answer_error, raised_error
 
 if TYPE_CHECKING:

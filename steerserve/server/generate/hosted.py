@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from steerserve.engine.api import Prepared
 from steerserve.engine.spec import reserved_key
-from steerserve.server.capacity import Budget
 from steerserve.server.errors import ApiError
+from steerserve.server.generate.capacity import Budget
 
 if TYPE_CHECKING:
     from steerserve.server.ab.experiment import Enrolled

@@ -12,7 +12,7 @@ from typing import Any
 
 from steerserve.server import protocol as P
 from steerserve.server.errors import ApiError
-from steerserve.server.hosted import sse, under_plan
+from steerserve.server.generate.hosted import sse, under_plan
 
 MAX_PROMPTS = 128
 
@@ -305,5 +305,5 @@ def check_ids(ids: list[int], vocab: int, field: str = "prompt") -> None:
         )
 
 
-#: The endpoints :func:`steerserve.server.pipeline.handle` serves.
+#: The endpoints :func:`steerserve.server.generate.pipeline.handle` serves.
 CHAT, AB, COMPLETIONS, RESPONSES = Chat(), ABChat(), Completions(), Responses()

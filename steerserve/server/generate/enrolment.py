@@ -18,8 +18,8 @@ from steerserve.server.ab.experiment import (
     header_subject,
 )
 from steerserve.server.answers import ExperimentInfo, SteeringInfo
-from steerserve.server.endpoints import Endpoint
 from steerserve.server.errors import ApiError
+from steerserve.server.generate.endpoints import Endpoint
 from steerserve.server.presets import preset_id
 from steerserve.server.steering import SteeringSpec
 

@@ -13,10 +13,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from steerserve.server.drain import Drain
-from steerserve.server.endpoints import Endpoint, repeat
 from steerserve.server.errors import ApiError
-from steerserve.server.flight import Call, ClientGone, Flight, until_disconnect
-from steerserve.server.hosted import Plan, event_json, first_event
+from steerserve.server.generate.endpoints import Endpoint, repeat
+from steerserve.server.generate.flight import Call, ClientGone, Flight, until_disconnect
+from steerserve.server.generate.hosted import Plan, event_json, first_event
 from steerserve.server.vllm_errors import engine_error, error_from_vllm
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from steerserve.server.ab.experiment import Enrolled
-from steerserve.server.capacity import Ticket
 from steerserve.server.drain import Drain
-from steerserve.server.enrolment import settle_experiment
 from steerserve.server.errors import ApiError
+from steerserve.server.generate.capacity import Ticket
+from steerserve.server.generate.enrolment import settle_experiment
 from steerserve.server.vllm_errors import engine_error
 
 if TYPE_CHECKING:
