@@ -1286,8 +1286,8 @@ def test_corrupt_artifact_refuses_start(
 
 #: The server's modules, callers before callees: a request only ever calls downwards.
 LAYERS = (
-    "app", "guard", "pipeline", "streaming", "flight", "enrolment", "state", "endpoints", "hosted",
-    "policy", "backend", "drain", "capacity", "grammar", "experiment", "protocol", "answers",
+    "app", "guard", "pipeline", "streaming", "job", "flight", "enrolment", "state", "endpoints",
+    "hosted", "policy", "backend", "drain", "capacity", "grammar", "experiment", "protocol", "answers",
     "vllm_errors", "errors", "steering", "metrics", "defaults",
 )  # fmt: skip
 

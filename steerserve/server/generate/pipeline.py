@@ -1,6 +1,9 @@
 """The one path of every generation request (chat, completions, A/B; streamed or collected):
 
-check -> steer -> plan -> vLLM's serving call -> collect or stream -> finish.
+read -> admit -> steer_arms -> plan -> vLLM's serving call -> collect or stream -> finish,
+
+each step a function of one :class:`~steerserve.server.generate.job.Job` (the request and what
+the steps before learned of it).
 
 What differs between endpoints (schema, texts, which serving call) is in ``endpoints.py``; the
 answers themselves are vLLM's serving layer's, hosted on the engine in ``hosted.py``, where the
@@ -17,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from steerserve.engine.api import UNSTEERED, Prepared
+from steerserve.engine.api import UNSTEERED
 from steerserve.engine.spec import SteeringError, short_repr
-from steerserve.server.answers import ExperimentInfo, SteeringInfo
+from steerserve.server.answers import ExperimentInfo
 from steerserve.server.defaults import seqs_per_request
 from steerserve.server.errors import ApiError
 from steerserve.server.generate import grammar
@@ -35,6 +37,7 @@ from steerserve.server.generate.endpoints import Endpoint, check_sequences, copi
 from steerserve.server.generate.enrolment import decide, enrol
 from steerserve.server.generate.flight import Call, Flight, finish, refused, until_disconnect
 from steerserve.server.generate.hosted import Plan, planned
+from steerserve.server.generate.job import Arm, Job
 from steerserve.server.generate.policy import OFF
 from steerserve.server.generate.streaming import stream
 from steerserve.server.presets import Preset
@@ -47,28 +50,29 @@ if TYPE_CHECKING:
 
 __all__ = ["Call", "finish", "handle", "refused"]  # the app's: counting refused requests
 
-HEADER = "x-steerserve-steering"
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One steering arm of a request: what the engine gets and how the answer describes it."""
-
-    label: str  # the metrics arm: steered | unsteered
-    prepared: Prepared
-    info: SteeringInfo
-    suffix: str = ""  # of the response id (the A/B arms: -a, -b)
-
-
 # --- the path -----------------------------------------------------------------------------------
 
 
 async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response:
-    """Check -> steer -> plan -> vLLM's serving call -> collect or stream -> finish."""
-    call = request.state.call = Call(ep.name)
-    body = await read_body(request, state.settings.max_body_bytes)
-    req = parse_request(ep.schema, body)
-    preset = check(state, req.model)
+    """Read -> admit -> steer -> plan -> vLLM's serving call -> collect or stream -> finish, each
+    step a function of the request's :class:`Job` (what it reads, what it adds)."""
+    job = Job(state, request, ep, Call(ep.name))
+    request.state.call = job.call  # the app's error handlers count a refusal by it
+    await read(job)
+    await admit(job)
+    await steer_arms(job)
+    await plan(job)
+    if job.req.stream:
+        return await stream(job, serving(job))
+    return await collect(job)
+
+
+async def read(job: Job) -> None:
+    """The body, parsed; a preset named as the model becomes the request's steering."""
+    state, call = job.state, job.call
+    job.body = await read_body(job.request, state.settings.max_body_bytes)
+    req = job.req = parse_request(job.ep.schema, job.body)
+    job.preset = preset = check(state, req.model)
     if preset is not None:
         if req.steering is not None:
             raise ApiError(
@@ -78,27 +82,38 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             )
         req.steering = preset.spec  # explicit steering from here on (never enrolled)
         call.preset = preset.id
+
+
+async def admit(job: Job) -> None:
+    """The checks before anything is rendered, then the request's seats (it may wait for them)."""
+    state, ep, req = job.state, job.ep, job.req
     ep.admit(req)
-    grammar_field = grammar.check(req)
+    job.grammar_field = grammar.check(req)
     settings = state.settings
     sequences = check_sequences(
         ep, req, seqs_per_request(settings.engine.max_num_seqs, settings.max_seqs_per_request)
     )
+    state.backend.check_size(*ep.size(req))
+    job.call.seats = await state.seats.take(client_of(job.request, req), sequences)
+
+
+async def steer_arms(job: Job) -> None:
+    """The prompts' texts, the request's A/B place, and per prompt its arms."""
+    state, ep, req, call = job.state, job.ep, job.req, job.call
     backend = state.backend
-    backend.check_size(*ep.size(req))
-    call.seats = await state.seats.take(client_of(request, req), sequences)
-    texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
-    spec, call.experiment = enrol(state, request, req, ep)
-    per_prompt = await steer_prompts(state, spec, texts, ep.ab, scores_prompt(req))
+    job.texts = await backend.off_loop(ep.texts, req, backend.tokenizer, backend.vocab_size)
+    spec, call.experiment = enrol(state, job.request, req, ep)
+    per_prompt = await steer_prompts(state, spec, job.texts, ep.ab, scores_prompt(req))
     if call.experiment is not None:
         per_prompt = [[tagged(a, call.experiment.echo) for a in p] for p in per_prompt]
-    named = preset.id if preset else call.experiment and call.experiment.preset
+    named = job.preset.id if job.preset else call.experiment and call.experiment.preset
     if named:  # the steered arms say which preset they serve
         per_prompt = [
             [named_by(a, named) if a.prepared.steered else a for a in p] for p in per_prompt
         ]
-    arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
-    call.arm = "ab" if ep.ab else arms[0].label
+    job.per_prompt = per_prompt
+    job.arms = [summary([p[a] for p in per_prompt]) for a in range(len(per_prompt[0]))]
+    call.arm = "ab" if ep.ab else job.arms[0].label
     if getattr(req, "use_beam_search", False) and any(
         a.prepared.steered for p in per_prompt for a in p
     ):
@@ -107,41 +122,50 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
             "anew); leave it out or turn steering off",
             param="use_beam_search",
         )
-    hexid = uuid.uuid4().hex
-    rid = ep.answer_id(hexid)
-    await decide(state, call.experiment, call.endpoint, rid, arms[0].info, texts)
-    n_copies = copies(req)
-    gens: list[AsyncGenerator[Any, None]] = []
+
+
+async def plan(job: Job) -> None:
+    """The answer's id, the A/B decision, and per arm the plan its engine calls follow."""
+    state, req, backend, settings = job.state, job.req, job.state.backend, job.state.settings
+    job.hexid = uuid.uuid4().hex
+    rid = job.ep.answer_id(job.hexid)
+    await decide(state, job.call.experiment, job.call.endpoint, rid, job.arms[0].info, job.texts)
+    job.copies = copies(req)
     prompt_cap, scored_cap = budget(backend.max_model_len, backend.vocab_size)
     work = Budget(
         settings.max_prompt_tokens_per_request or prompt_cap,
         settings.max_scored_tokens_per_request or scored_cap,
     )
-    plans = [
+    job.plans = [
         Plan(
-            [p[a].prepared for p in per_prompt],
-            [p[a].label for p in per_prompt],
+            [p[a].prepared for p in job.per_prompt],
+            [p[a].label for p in job.per_prompt],
             req.token_budget(),
             backend.max_model_len,
-            gens,
-            call.experiment,
+            job.gens,
+            job.call.experiment,
             work,
-            grammar_field,
-            ep.fields,
+            job.grammar_field,
+            job.ep.fields,
         )
-        for a in range(len(arms))
+        for a in range(len(job.arms))
     ]
+
+
+def serving(job: Job) -> Callable[[], Awaitable[list[Any]]]:
+    """The serving calls of every arm, run together; a refusal vLLM answered is raised."""
+    state, ep, req, arms = job.state, job.ep, job.req, job.arms
     serve = ep.serve(state.serving)
 
     async def run(a: int) -> Any:
         # each arm its own request: vLLM's tool parsers adjust the one they get, and its
         # message parts are one-pass iterators (read up by the checks above)
-        r = parse_request(ep.schema, body)
-        r.seed, r.request_id = req.seed, ep.request_id(hexid) + arms[a].suffix
+        r = parse_request(ep.schema, job.body)
+        r.seed, r.request_id = req.seed, ep.request_id(job.hexid) + arms[a].suffix
         r.model = state.model_name  # vLLM's serving layer knows the base model, not presets
-        if n_copies > 1:
+        if job.copies > 1:
             r.n = 1
-        planned(plans[a])  # this task's context: the arm's engine calls read it
+        planned(job.plans[a])  # this task's context: the arm's engine calls read it
         try:
             return await serve(r, None)
         except Exception as e:
@@ -156,40 +180,27 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
                 raise err
         return results
 
-    infos = [[p[a].info.model_dump(mode="json") for p in per_prompt] for a in range(len(arms))]
-    headers = {HEADER: arms[-1].info.header()}
-    if req.stream:
-        labels = ["unsteered", "steered"] if ep.ab else [None]
-        return await stream(
-            state,
-            call,
-            request,
-            ep,
-            req,
-            run_arms,
-            plans,
-            gens,
-            arms,
-            infos,
-            labels,
-            headers,
-            n_copies,
-        )
-    async with Flight(state, call, request, gens) as flight:
+    return run_arms
+
+
+async def collect(job: Job) -> Response:
+    """The whole answer: every arm's, with its ``steering`` (the A/B endpoint's both arms)."""
+    state, ep, req, request = job.state, job.ep, job.req, job.request
+    async with Flight(state, job.call, request, job.gens) as flight:
         try:
-            results = await until_disconnect(request, run_arms(), state.drain)
+            results = await until_disconnect(request, serving(job)(), state.drain)
         finally:
-            for plan in plans:
-                for label, (prompt, completion) in plan.tokens.items():
+            for p in job.plans:
+                for label, (prompt, completion) in p.tokens.items():
                     flight.count(label, prompt, completion)
     if flight.status == 499:
         return Response(status_code=499)
-    bodies = []
-    for a, (arm, result) in enumerate(zip(arms, results, strict=True)):
+    bodies, infos = [], job.infos
+    for a, (arm, result) in enumerate(zip(job.arms, results, strict=True)):
         body = ep.dump(result)
         body["model"] = req.model  # the preset's id when one was asked for
         body["steering"] = arm.info.model_dump(mode="json")
-        repeat(body, n_copies)
+        repeat(body, job.copies)
         ep.echo(body, infos[a], getattr(req, "n", None) or 1)
         bodies.append(body)
     if ep.ab:
@@ -198,7 +209,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
         answer["identical"] = texts_of[0] == texts_of[1]
     else:
         [answer] = bodies
-    return JSONResponse(answer, headers=headers)
+    return JSONResponse(answer, headers=job.headers)
 
 
 def client_of(request: Request, req: Any) -> str:

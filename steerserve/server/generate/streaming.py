@@ -9,40 +9,27 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
-from steerserve.server.generate.endpoints import Endpoint, repeat
-from steerserve.server.generate.flight import Call, ClientGone, Flight, until_disconnect
+from steerserve.server.generate.endpoints import repeat
+from steerserve.server.generate.flight import ClientGone, Flight, until_disconnect
 from steerserve.server.generate.hosted import Plan, event_json, first_event
 from steerserve.server.vllm_errors import engine_error, error_from_vllm
 
 if TYPE_CHECKING:
+    from steerserve.server.generate.job import Job
     from steerserve.server.state import ServerState
 
 
-async def stream(
-    state: ServerState,
-    call: Call,
-    request: Request,
-    ep: Endpoint,
-    req: Any,
-    run_arms: Callable[[], Awaitable[list[Any]]],
-    plans: list[Plan],
-    gens: list[AsyncGenerator],
-    arms: list[Any],
-    infos: list[list[dict[str, Any]]],
-    labels: list[str | None],
-    headers: dict[str, str],
-    copies: int = 1,
-) -> Response:
+async def stream(job: Job, run_arms: Callable[[], Awaitable[list[Any]]]) -> Response:
     """Start every arm's serving stream and wait for its first event (it comes with the engine's
     first output), so engine-side refusals are still a proper 4xx (the stream's 200 is not sent
     yet) and a client gone meanwhile is a 499, then stream. The wait counts in the queue gauge
     (the flight counts it from the first event on): a stream waiting for its first token is
     queued, and an autoscaler keyed on the gauge must see it."""
+    state, call, request, plans, gens = job.state, job.call, job.request, job.plans, job.gens
 
     async def started() -> tuple[list[AsyncIterator[str]], list[str | None]]:
         streams = await run_arms()
@@ -63,11 +50,10 @@ async def stream(
     except Exception as e:
         await _close(gens)
         raise engine_error(e, state.drain if state.stopping else None) from None
-    body = _events(
-        state, call, request, ep, req, plans, gens, streams, firsts, arms, infos, labels, copies
+    headers = {**job.headers, "cache-control": "no-cache"}
+    return StreamingResponse(
+        _events(job, streams, firsts), media_type="text/event-stream", headers=headers
     )
-    headers = {**headers, "cache-control": "no-cache"}
-    return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
 def _error(plan: Plan, err: dict[str, Any], state: ServerState) -> ApiError:
@@ -79,27 +65,16 @@ def _error(plan: Plan, err: dict[str, Any], state: ServerState) -> ApiError:
 
 
 async def _events(
-    state: ServerState,
-    call: Call,
-    request: Request,
-    ep: Endpoint,
-    req: Any,
-    plans: list[Plan],
-    gens: list[AsyncGenerator],
-    streams: list[AsyncIterator[str]],
-    firsts: list[str | None],
-    arms: list[Any],
-    infos: list[list[dict[str, Any]]],
-    labels: list[str | None],
-    copies: int,
+    job: Job, streams: list[AsyncIterator[str]], firsts: list[str | None]
 ) -> AsyncIterator[str]:
     """vLLM's events of every arm, each chunk given its ``steering`` (the answer's on the first
     chunk and the usage chunk, a prompt's on its choices' first chunks) and, in an A/B stream, its
     ``arm``; one ``[DONE]``; an error as a final OpenAI-format event."""
-    n = getattr(req, "n", None) or 1
+    state, ep, req, plans, arms = job.state, job.ep, job.req, job.plans, job.arms
+    infos, labels, n = job.infos, job.labels, getattr(job.req, "n", None) or 1
     told: list[set[int]] = [set() for _ in streams]
     first_chunk = [True for _ in streams]
-    async with Flight(state, call, request, gens) as flight:
+    async with Flight(state, job.call, job.request, job.gens) as flight:
         merged = merge([_chained(f, s) for f, s in zip(firsts, streams, strict=True)], state.drain)
         try:
             async for a, event in merged:
@@ -116,7 +91,7 @@ async def _events(
                     body, req.model, arms[a].info.model_dump(mode="json"), first_chunk[a]
                 )
                 first_chunk[a] = False
-                repeat(body, copies)
+                repeat(body, job.copies)
                 ep.echo_chunk(body, infos[a], n, told[a])
                 if labels[a] is not None:
                     body["arm"] = labels[a]
