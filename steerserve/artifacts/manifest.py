@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from steerserve import __version__
 from steerserve.engine.ops import DEFAULT_OP, OPS
-from steerserve.engine.spec import POSITIONS, SteeringEntry
+from steerserve.engine.spec import OpName, SteeringEntry
+from steerserve.engine.spec import PositionName as Positions
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ SHAPE_KEYS = (
     "head_dim",
 )
 SLUG = r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,99}$"  # a path segment of an engine vector name
-Positions = Literal[tuple(POSITIONS)]  # type: ignore[valid-type]  # the engine's, by name
-OpName = Literal[tuple(OPS)]  # type: ignore[valid-type]  # the rows of engine/ops.py
 
 
 class ArtifactError(ValueError):

@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
 
@@ -53,17 +55,64 @@ DEFAULT_ROWS_PER_REQUEST = 4
 DEFAULT_OPS_PER_LAYER = 2
 
 
+#: The ``positions`` values, and the operations, by name (the types every layer's copy uses).
+PositionName = Literal[tuple(POSITIONS)]  # type: ignore[valid-type]
+OpName = Literal[tuple(OPS)]  # type: ignore[valid-type]
+#: The largest layer an entry may name before the engine's own bound (its block count).
+MAX_LAYER = 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
     """Apply ``op`` (default: add ``scale * vectors[vector]``) to the residual stream at the
     output of decoder block ``layer`` (0-based; transformers' ``hidden_states[layer + 1]``) on
-    the tokens ``positions`` selects."""
+    the tokens ``positions`` selects.
 
-    vector: str
-    layer: int
-    scale: float
-    positions: str = "all"
-    op: str = DEFAULT_OP
+    The one declaration of an entry: its fields, types, defaults, bounds and descriptions. The
+    request's JSON schema (:func:`entry_schema`), the response's echo, the artifact's
+    interventions and the admission check (:func:`entry`) read them from here."""
+
+    vector: Annotated[str, Field(min_length=1, description="a registered vector")]
+    layer: Annotated[
+        int, Field(ge=0, le=MAX_LAYER, description="0-based decoder block (its output)")
+    ]
+    scale: Annotated[float, Field(description="the operation's strength")] = 1.0
+    positions: Annotated[
+        PositionName, Field(description="the tokens steered: " + ", ".join(POSITIONS))
+    ] = "all"
+    op: Annotated[
+        OpName, Field(description="; ".join(f"{n}: {o.formula}" for n, o in OPS.items()))
+    ] = DEFAULT_OP
+
+
+#: An entry's fields, and the defaults of those a client may leave out.
+ENTRY_FIELDS = frozenset(f.name for f in fields(SteeringEntry))
+ENTRY_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(SteeringEntry) if f.default is not MISSING
+}
+
+
+def entry_fields(leave_out: Iterable[str] = ()) -> dict[str, Any]:
+    """The entry's fields as pydantic field definitions (``create_model``), types, bounds and
+    defaults included: how a model elsewhere carries an entry without declaring it again."""
+    import typing
+
+    hints = typing.get_type_hints(SteeringEntry, include_extras=True)
+    return {
+        f.name: (hints[f.name], ... if f.default is MISSING else f.default)
+        for f in fields(SteeringEntry)
+        if f.name not in leave_out
+    }
+
+
+def entry_schema() -> dict[str, Any]:
+    """An entry's JSON schema, generated from :class:`SteeringEntry` (pydantic reads its
+    annotations); the server narrows ``op`` to what the engine serves."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(SteeringEntry).json_schema()
+    schema["additionalProperties"] = False
+    return schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +147,6 @@ class SteeringError(ValueError):
         self.reason = reason
 
 
-ENTRY_FIELDS = frozenset({"vector", "layer", "scale", "positions", "op"})
-
-
 def finite_number(v: Any) -> float | None:
     """``v`` as a finite float, or None when it is not a real number (a bool, a string) or is not
     finite; JSON integers past float's range (``10**400``) are not finite either, where
@@ -132,20 +178,20 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
         layer = int(layer)
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise SteeringError(f"{field}.layer", f"must be an integer, got {short_repr(layer)}")
-    if not -(2**31) <= layer < 2**31:
+    if not -(2**31) <= layer <= MAX_LAYER:
         raise SteeringError(f"{field}.layer", "is out of range")
-    raw_scale = item.get("scale", 1.0)
+    raw_scale = item.get("scale", ENTRY_DEFAULTS["scale"])
     scale = finite_number(raw_scale)
     if scale is None:
         if isinstance(raw_scale, bool) or not isinstance(raw_scale, (int, float)):
             raise SteeringError(f"{field}.scale", f"must be a number, got {short_repr(raw_scale)}")
         raise SteeringError(f"{field}.scale", "must be finite")
-    pos = item.get("positions", "all")
+    pos = item.get("positions", ENTRY_DEFAULTS["positions"])
     if not isinstance(pos, str) or pos not in POSITIONS:
         raise SteeringError(
             f"{field}.positions", f"{short_repr(pos)} is not one of {', '.join(POSITIONS)}"
         )
-    op = item.get("op", DEFAULT_OP)
+    op = item.get("op", ENTRY_DEFAULTS["op"])
     if not isinstance(op, str) or op not in OPS:
         raise SteeringError(f"{field}.op", f"{short_repr(op)} is not one of {', '.join(OPS)}")
     e = SteeringEntry(vec, layer, scale, pos, op)

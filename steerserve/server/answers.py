@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse as _VChatResponse,
 )
@@ -21,17 +21,23 @@ from vllm.entrypoints.openai.completion.protocol import (
 )
 from vllm.entrypoints.openai.responses.protocol import ResponsesResponse as _VResponses
 
+from steerserve.engine.spec import entry_fields
 
-class AppliedIntervention(BaseModel):
+
+class _Named(BaseModel):
+    """What the echo adds to an entry: where its vector comes from."""
+
     artifact: str | None
     version: str | None
     name: str
-    vector: str
     sha256: str
-    layer: int
-    scale: float
-    positions: str
-    op: str = Field(description="the operation applied (engine/ops.py): add, ablate, ...")
+
+
+#: An applied entry as a response names it: the entry's own fields (``engine/spec.py``, their
+#: one declaration) and where its vector comes from.
+AppliedIntervention = create_model(
+    "AppliedIntervention", __base__=_Named, __module__=__name__, **entry_fields()
+)
 
 
 class ExperimentInfo(BaseModel):

@@ -22,12 +22,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from steerserve.engine.ops import DEFAULT_OP, OPS, engine_ops
+from steerserve.engine.ops import OPS, engine_ops
 from steerserve.engine.spec import (
-    POSITIONS,
     SteeringEntry,
     SteeringError,
     entry,
+    entry_schema,
     finite_number,
     short_repr,
 )
@@ -45,9 +45,15 @@ DEFAULT_MODE = "off"
 
 
 def _entry_schema() -> dict[str, Any]:
-    """An entry's JSON schema, from the engine's vocabulary: ``positions`` and ``op`` (the ops the
-    engine serves, ``engine/ops.py``), each bounded op's scale range as an if/then."""
+    """An entry's JSON schema: the entry's own (``spec.entry_schema``, from its one declaration),
+    its ``op`` narrowed to the ops the engine serves, and each bounded op's scale range as an
+    if/then (the registry's, ``engine/ops.py``)."""
     served = engine_ops()
+    schema = entry_schema()
+    schema["description"] = "one operation on the residual stream at one layer"
+    op = schema["properties"]["op"]
+    op["enum"] = list(served)
+    op["description"] = "; ".join(f"{n}: {OPS[n].formula}" for n in served)
     bounded = [
         {
             "if": {"properties": {"op": {"const": name}}, "required": ["op"]},
@@ -56,28 +62,6 @@ def _entry_schema() -> dict[str, Any]:
         for name in served
         if (rng := OPS[name].scale_range) is not None
     ]
-    schema: dict[str, Any] = {
-        "type": "object",
-        "title": "SteeringEntry",
-        "additionalProperties": False,
-        "required": ["vector", "layer"],
-        "properties": {
-            "vector": {"type": "string", "minLength": 1, "description": "a registered vector"},
-            "layer": {
-                "type": "integer",
-                "minimum": 0,
-                "maximum": 2**31 - 1,  # spec.entry's bound; the engine's own is its block count
-                "description": "0-based decoder block (its output)",
-            },
-            "scale": {"type": "number", "default": 1.0},
-            "positions": {"enum": list(POSITIONS), "default": "all"},
-            "op": {
-                "enum": list(served),
-                "default": DEFAULT_OP,
-                "description": "; ".join(f"{n}: {OPS[n].formula}" for n in served),
-            },
-        },
-    }
     if bounded:
         schema["allOf"] = bounded
     return schema

@@ -257,10 +257,6 @@ class SteeringPolicy:
             artifact=art.manifest.name if art else None,
             version=art.manifest.version if art else None,
             name=iv.name if iv else e.vector,
-            vector=e.vector,
             sha256=sha,
-            layer=e.layer,
-            scale=e.scale,
-            positions=e.positions,
-            op=e.op,
+            **dataclasses.asdict(e),  # the entry's fields, whatever they are
         )
