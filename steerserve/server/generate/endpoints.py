@@ -12,7 +12,7 @@ from typing import Any
 
 from steerserve.server import protocol as P
 from steerserve.server.errors import ApiError
-from steerserve.server.generate.hosted import sse, under_plan
+from steerserve.server.generate.hosted import sse
 
 MAX_PROMPTS = 128
 
@@ -196,7 +196,7 @@ class Responses(Endpoint):
         async def create(req: P.ResponsesRequest, raw: Any) -> Any:
             result = await serving.responses.create_responses(req, raw)
             if isinstance(result, AsyncIterator):
-                return _event_texts(under_plan(result))
+                return _event_texts(result)
             return result
 
         return create

@@ -5,8 +5,8 @@ vLLM's ``OpenAIServingChat`` / ``OpenAIServingCompletion`` give the whole OpenAI
 their parsers, structured outputs, echo and prompt logprobs, every sampling field, the answer and
 stream shapes) on any engine client with ``generate()``. They are built here on
 :class:`SteeringEngine`, a thin proxy of the server's ``AsyncLLM`` whose ``generate()`` applies
-the steering the pipeline admitted for this request (:class:`Plan`, held in a context variable):
-one plan per A/B arm, one admitted steering per engine call, so each prompt of a completions batch
+the steering the pipeline admitted for this request (:class:`Plan`, bound to the copies of the
+serving objects that arm's call runs on, :meth:`Serving.planned`): one plan per A/B arm, one admitted steering per engine call, so each prompt of a completions batch
 keeps its own ``auto`` decision. Nothing else reaches the worker: a ``steerserve`` key a client
 put in ``vllm_xargs`` is refused before (``protocol``) and removed here again.
 
@@ -16,12 +16,13 @@ been read against (``docs/vllm-seams.md`` records the 0.33 equivalents).
 
 from __future__ import annotations
 
-import contextvars
+import copy
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from steerserve.engine.api import Prepared
 from steerserve.engine.spec import reserved_key
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from steerserve.server.backend import Backend
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: vLLM releases whose serving classes this seam was read against (docs/vllm-seams.md).
 KNOWN_VLLM = ("0.32.0", "0.33.0")
@@ -135,43 +135,19 @@ def _failed_before_a_token(out: Any) -> bool:
     return any(o.finish_reason == "error" and not o.token_ids for o in out.outputs)
 
 
-_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("steerserve_plan", default=None)
-
-
-def planned(plan: Plan) -> contextvars.Token[Plan | None]:
-    """Make ``plan`` the current task's (the serving call that follows reads it)."""
-    return _PLAN.set(plan)
-
-
-def under_plan(events: AsyncIterator[T]) -> AsyncIterator[T]:
-    """``events`` read under this task's plan, whichever task reads them: a serving call that
-    calls the engine only as its stream is read (vLLM's Responses stream) does so from the task
-    that streams the answer, which did not plan it."""
-    return _read_under(_PLAN.get(), events)
-
-
-async def _read_under(plan: Plan | None, events: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        if plan is not None:
-            planned(plan)  # in the reading task's context (an async generator runs in it)
-        async for event in events:
-            yield event
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
 # --- the engine client vLLM's serving classes see ---------------------------------------------------
 
 
 class SteeringEngine:
     """The server's ``AsyncLLM`` as vLLM's serving classes see it: every attribute forwarded, and
-    ``generate()`` applying the current plan's steering (entries and prefix-cache key) through the
-    backend, which also checks a steered request's distributions (``backend._checked``)."""
+    ``generate()`` applying its plan's steering (entries and prefix-cache key) through the
+    backend, which also checks a steered request's distributions (``backend._checked``). The
+    engine the serving objects are built on has no plan and refuses to generate; each arm's call
+    runs on copies bound to its plan (:meth:`Serving.planned`)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, plan: Plan | None = None) -> None:
         self._backend = backend
+        self._plan = plan
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend.llm, name)
@@ -179,7 +155,7 @@ class SteeringEngine:
     def generate(
         self, prompt: Any, sampling_params: Any, request_id: str, **kw: Any
     ) -> AsyncGenerator[Any, None]:
-        plan = _PLAN.get()
+        plan = self._plan
         if plan is None:  # a route that did not plan its request: never unvetted to the worker
             raise RuntimeError("steerserve: an engine call outside a planned request")
         i, prepared = plan.take()
@@ -241,6 +217,25 @@ class Serving:
     tokenization: Any  # ServingTokenization
     tool_parser: str | None
     responses: Any  # OpenAIServingResponses
+    backend: Backend
+
+    def planned(self, plan: Plan) -> Serving:
+        """The generating objects for one arm's call, their engine bound to ``plan``: shallow
+        copies (shared templates, parsers and caches) whose every ``engine_client.generate``,
+        a Responses stream's lazy ones included, applies that plan and no other."""
+        engine = SteeringEngine(self.backend, plan)
+
+        def bound(obj: Any) -> Any:
+            obj = copy.copy(obj)
+            obj.engine_client = engine
+            return obj
+
+        return dataclasses.replace(
+            self,
+            chat=bound(self.chat),
+            completion=bound(self.completion),
+            responses=bound(self.responses),
+        )
 
 
 def tool_parser_for(template: str | None, asked: str | None) -> str | None:
@@ -331,4 +326,4 @@ def build(
         tool_parser=parser,
         enable_prompt_tokens_details=True,
     )
-    return Serving(chat, completion, tokenization, parser, responses)
+    return Serving(chat, completion, tokenization, parser, responses, backend)

@@ -36,7 +36,7 @@ from steerserve.server.generate.capacity import Budget, budget
 from steerserve.server.generate.endpoints import Endpoint, check_sequences, copies, repeat
 from steerserve.server.generate.enrolment import decide, enrol
 from steerserve.server.generate.flight import Call, Flight, finish, refused, until_disconnect
-from steerserve.server.generate.hosted import Plan, planned
+from steerserve.server.generate.hosted import Plan
 from steerserve.server.generate.job import Arm, Job
 from steerserve.server.generate.policy import OFF
 from steerserve.server.generate.streaming import stream
@@ -155,7 +155,6 @@ async def plan(job: Job) -> None:
 def serving(job: Job) -> Callable[[], Awaitable[list[Any]]]:
     """The serving calls of every arm, run together; a refusal vLLM answered is raised."""
     state, ep, req, arms = job.state, job.ep, job.req, job.arms
-    serve = ep.serve(state.serving)
 
     async def run(a: int) -> Any:
         # each arm its own request: vLLM's tool parsers adjust the one they get, and its
@@ -165,9 +164,8 @@ def serving(job: Job) -> Callable[[], Awaitable[list[Any]]]:
         r.model = state.model_name  # vLLM's serving layer knows the base model, not presets
         if job.copies > 1:
             r.n = 1
-        planned(job.plans[a])  # this task's context: the arm's engine calls read it
         try:
-            return await serve(r, None)
+            return await ep.serve(state.serving.planned(job.plans[a]))(r, None)
         except Exception as e:
             raise (raised_error(e) or e) from None
 
