@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,13 +34,33 @@ def tiny_gemma(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["gemma3"]
 
 
+@pytest.fixture(scope="module")
+def http(server: Any) -> Iterator[Any]:
+    """An httpx client of the module's ``server`` fixture (a ``test_server.Server``) with the test
+    key; a module whose server wants another client defines its own ``http``."""
+    import httpx
+    from test_server import AUTH
+
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server: Any) -> Any:
+    """The ``openai`` SDK on the module's ``server`` fixture, with the test key, no retries."""
+    import openai
+    from test_server import KEY
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
 #: What starts a vLLM engine, a server, a browser or another process: a test module that does is
 #: marked ``heavy`` and left out of the fast tier (``make test-fast``: ``-m "not heavy"``); the
 #: full suite (``make test``) runs every test. Read from the module's text, so a new module that
 #: starts an engine is heavy without anyone remembering to mark it.
 HEAVY = re.compile(
     r"create_app\(|SteerEngine\(|\bengine\(|serving\(|Serve\(|Server\(|subprocess\.|AsyncLLM"
-    r"|\bLLM\(|simple_evaluate|chromium"
+    r"|\bLLM\(|simple_evaluate|chromium|tiny_server\(|tiny_http\("
 )
 
 

@@ -187,17 +187,6 @@ def server(tiny_llama: Path, vectors_dir: Path) -> Iterator[Server]:
     assert not srv.thread.is_alive()
 
 
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-
-
 MODEL = "llama"  # the served name: the model folder's name
 
 
@@ -1189,12 +1178,9 @@ def test_admin_refused_open_beyond_loopback(
     """The admin endpoint (it changes what every client gets) refuses to run without an API key
     on a non-loopback address unless the operator opts in; the app is served without its engine
     (lifespan off), since the refusal comes first."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
-    settings = ServerSettings(
-        engine=EngineConfig(model=str(tiny_llama)), api_key=key, host=host, open_admin=open_admin
-    )
+    settings = tiny_settings(tiny_llama, api_key=key, host=host, open_admin=open_admin)
     srv = Server(create_app(settings), lifespan="off")
     srv.listen()
     try:
@@ -1262,17 +1248,12 @@ def test_corrupt_artifact_refuses_start(
     """A corrupt artifact for the served model stops the start (before the engine loads) under
     every policy, naming the artifact and the reason: /ready says "failed" (the CLI exits 1).
     Before, ``auto`` came up ready with steering silently off."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
     make_artifact(tmp_path, tiny_llama, "v1")
     words = corrupt(make_artifact(tmp_path, tiny_llama, "v2", seed=1), kind)
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )  # an engine that starts: without the check, the server would come up ready
-    srv = Server(
-        create_app(ServerSettings(engine=cfg, vectors_dir=str(tmp_path), steering=steering))
-    )
+    # an engine that starts: without the check, the server would come up ready
+    srv = Server(create_app(tiny_settings(tiny_llama, tmp_path, api_key=None, steering=steering)))
     try:
         with pytest.raises(RuntimeError) as e:
             srv.start(timeout=120)

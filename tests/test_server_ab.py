@@ -14,7 +14,16 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import AUTH, FR, Server, chat_body, make_artifact, metric
+from test_server import (
+    AUTH,
+    FR,
+    Server,
+    chat_body,
+    make_artifact,
+    metric,
+    tiny_server,
+    tiny_settings,
+)
 
 from steerserve.server.ab.experiment import DecisionLog, Experiment
 
@@ -22,23 +31,11 @@ NAME = "exp-1"
 USERS = [f"user-{i}" for i in range(200)]
 
 
-def _settings(tiny_llama: Path, root: Path, **kw: Any) -> Any:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings
-
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=512, kv_cache_memory_bytes=64 << 20
-    )
-    ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl"), **kw}
-    return ServerSettings(engine=cfg, vectors_dir=str(root / "vectors"), api_key="test-key", **ab)
-
-
-def _start(settings: Any) -> Server:
-    from steerserve.server import create_app
-
-    srv = Server(create_app(settings))
-    srv.start()
-    return srv
+def _ab(root: Path, **kw: Any) -> dict[str, Any]:
+    """:func:`tiny_settings` keywords of this module's experiment: the artifacts of root/vectors,
+    half the users steered, decisions logged to root/ab.jsonl (``kw``: more settings)."""
+    ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl")}
+    return {"vectors": root / "vectors", **ab, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +46,9 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ab(tiny_llama: Path, root: Path) -> Iterator[Server]:
-    srv = _start(_settings(tiny_llama, root, ab_log_content=True))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(ab: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=ab.url, headers=AUTH, timeout=120) as c:
-        yield c
+def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
+    with tiny_server(tiny_llama, **_ab(root, ab_log_content=True)) as srv:
+        yield srv
 
 
 def ask(http: httpx.Client, user: str | None = None, header: bool = False, **kw: Any) -> Any:
@@ -117,7 +107,7 @@ def test_explicit_steering_wins_and_no_subject_is_unenrolled(http: httpx.Client)
     assert r.status_code == 200 and "experiment" not in r.json()["steered"]["steering"], r.text
 
 
-def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Path) -> None:
+def test_metrics_and_log_carry_the_arm(server: Server, http: httpx.Client, root: Path) -> None:
     lines = [x for x in log_lines(root) if x["type"] == "decision"]
     assert len(lines) == len(USERS) + 40  # enrolled and answered only
     for arm in ("steered", "unsteered"):
@@ -145,7 +135,7 @@ def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Pat
     last = log_lines(root)[-1]
     assert (last["reply"], last["completion_tokens"], last["arm"]) == ([text], 3, arm)
     # a full disk: still answered, counted, not per request in the server's log
-    state = ab.app.state.steer
+    state = server.app.state.steer
     kept, state.decisions.log = (
         state.decisions.log,
         DecisionLog("/dev/full", on_failure=state.metrics.ab_log_failures.inc),
@@ -158,7 +148,7 @@ def test_metrics_and_log_carry_the_arm(ab: Server, http: httpx.Client, root: Pat
     assert metric(http, "steerserve_ab_log_failures_total") == 2
 
 
-def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> None:
+def test_feedback_joins_the_arm(server: Server, http: httpx.Client, root: Path) -> None:
     from steerserve.server.ab.analysis import read_log
 
     rid = ask(http, USERS[2])["id"]
@@ -184,7 +174,7 @@ def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> N
         kw = {"json": body} if isinstance(body, dict) else {"content": body}
         r = http.post("/v1/steering/feedback", **kw, headers={"content-type": "application/json"})
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
-    r = httpx.post(f"{ab.url}/v1/steering/feedback", json={"id": rid, "score": 1})
+    r = httpx.post(f"{server.url}/v1/steering/feedback", json={"id": rid, "score": 1})
     assert r.status_code == 401  # the API key, as every /v1 endpoint
     # the report on this log: one scored reply calls no winner
     from typer.testing import CliRunner
@@ -197,13 +187,13 @@ def test_feedback_joins_the_arm(ab: Server, http: httpx.Client, root: Path) -> N
     assert {p.name for p in (root / "r").iterdir()} == {"report.md", "report.json", "report.png"}
 
 
-def test_a_stream_hung_up_at_done_keeps_its_decision(ab: Server, root: Path) -> None:
+def test_a_stream_hung_up_at_done_keeps_its_decision(server: Server, root: Path) -> None:
     """A client that closes the connection as soon as it reads ``[DONE]`` has its whole answer:
     its decision is logged (the soak's clients, doing that, lost 5 lines of 191 as 499s)."""
     ids = []
     for user in USERS[:8]:
         body = chat_body(FR, max_tokens=2, user=user, stream=True)
-        with httpx.Client(base_url=ab.url, headers=AUTH, timeout=60) as c:  # its own connection
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:  # its own connection
             with c.stream("POST", "/v1/chat/completions", json=body) as s:
                 assert s.status_code == 200
                 for line in s.iter_lines():
@@ -230,10 +220,10 @@ def test_bad_experiment_settings_refuse_to_start(tiny_llama: Path, tmp_path: Pat
         ("ab_log", "/dev/null/x", "--ab-log"),
     ):
         with pytest.raises(ValueError, match=option):
-            create_app(_settings(tiny_llama, tmp_path, **{field: value}))
+            create_app(tiny_settings(tiny_llama, **_ab(tmp_path, **{field: value})))
         out = CliRunner().invoke(app, ["serve", f"{option}={value}"])
         assert out.exit_code == 2 and option in out.output, out.output
-    srv = Server(create_app(_settings(tiny_llama, tmp_path)))
+    srv = Server(create_app(tiny_settings(tiny_llama, **_ab(tmp_path))))
     try:
         with pytest.raises(RuntimeError, match="--ab-split"):
             srv.start(timeout=60)

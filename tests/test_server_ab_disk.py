@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import AUTH, FR, MODEL, make_artifact, metric
-from test_server_ab import _settings, _start
+from test_server import FR, MODEL, Server, make_artifact, metric, tiny_server
+from test_server_ab import _ab
 
 from steerserve.server.ab.experiment import DecisionLog, Decisions
 
@@ -54,18 +54,11 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama: Path, root: Path, disk: Path) -> Iterator[httpx.Client]:
-    log = disk / "ab.jsonl"
+def server(tiny_llama: Path, root: Path, disk: Path) -> Iterator[Server]:
     # 12 prompts of 400 bytes a request: more prompt tokens than capacity.budget's default
-    settings = _settings(
-        tiny_llama, root, ab_log=str(log), ab_log_content=True, max_prompt_tokens_per_request=8192
-    )
-    srv = _start(settings)
-    try:
-        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
-            yield c
-    finally:
-        srv.stop()
+    kw = {"ab_log_content": True, "max_prompt_tokens_per_request": 8192}
+    with tiny_server(tiny_llama, **_ab(root, ab_log=str(disk / "ab.jsonl"), **kw)) as srv:
+        yield srv
 
 
 def fill(disk: Path) -> None:

@@ -19,13 +19,14 @@ import pytest
 from fastapi import Request
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_server import MODEL, Server, chat_body, make_artifact, metric
+from test_server import MODEL, Server, chat_body, make_artifact, metric, tiny_settings
 
 from steerserve.server.ab.experiment import DecisionLog, Experiment
 from steerserve.server.slow import timed_protocol
 
 NAME = "hardening"
 REQUEST_TIMEOUT = 5.0  # this server's deadline for a request to arrive in full (30 s served)
+ENGINE = {"max_model_len": 128, "kv_cache_memory_bytes": 32 << 20}  # tiny_settings' engine, smaller
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +38,10 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(root / "vectors"),
-        ab_split=0.5,
-        ab_name=NAME,
-        ab_log=str(root / "ab.jsonl"),
-    )
-    app = create_app(settings)
+    ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl")}
+    app = create_app(tiny_settings(tiny_llama, root / "vectors", ENGINE, api_key=None, **ab))
 
     async def boom() -> None:  # a route with a bug no handler knows: the catch-all's case
         raise RuntimeError("a bug")
@@ -282,8 +273,7 @@ def test_d4_d8_start_refuses_before_the_engine_naming_the_folders(
     """Defects 4 and 8 at start: a nested manifest, one name/version in two folders, or a
     calibrated scale the engine refuses fail the start before the engine is built, with a
     message naming the folders (not a traceback naming no file, 48 s later)."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
     vectors = tmp_path / "vectors"
     first = make_artifact(vectors, tiny_llama, "v1")
@@ -299,10 +289,7 @@ def test_d4_d8_start_refuses_before_the_engine_naming_the_folders(
         names = [str(first), str(copy), "tiny/v1 is in more than one folder"]
     else:
         names = [str(_loud(vectors, tiny_llama)), "scale 1000"]
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
-    )
-    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors)))
+    app = create_app(tiny_settings(tiny_llama, vectors, ENGINE, api_key=None))
     srv = Server(app)
     try:
         with pytest.raises(RuntimeError) as e:
@@ -354,16 +341,12 @@ def test_d10_a_load_failure_while_stopping_is_a_stop(tiny_llama: Path, tmp_path:
     signal handler sets it), a load that fails (EngineCore stopped by the same signal; here an
     artifact refusal, which fails at once) is a stop, not an engine failure: /ready never says
     "failed", /health stays up, and the process would exit 0, not 1."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
     vectors = tmp_path / "vectors"
     (vectors / "deep" / "v1").mkdir(parents=True)
     (vectors / "deep" / "v1" / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
-    )
-    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors)))
+    app = create_app(tiny_settings(tiny_llama, vectors, ENGINE, api_key=None))
     app.state.steer.stopping = True
     srv = Server(app)
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import AUTH, KEY, Server, chat_body, make_artifact
+from test_server import AUTH, KEY, Server, chat_body, make_artifact, tiny_server, tiny_settings
 
 NAME = "hosts"
 FOREIGN = ["attacker.example", "attacker.example:80", "127.0.0.1.attacker.example", ""]
@@ -35,23 +35,10 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
     """The default setup: loopback, no API key, an A/B experiment with a decision log."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 << 20
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(root / "vectors"),
-        ab_split=0.5,
-        ab_name=NAME,
-        ab_log=str(root / "ab.jsonl"),
-    )
-    srv = Server(create_app(settings))
-    srv.start()
-    yield srv
-    srv.stop()
+    engine = {"max_model_len": 128, "kv_cache_memory_bytes": 32 << 20}
+    ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl")}
+    with tiny_server(tiny_llama, root / "vectors", engine, api_key=None, **ab) as srv:
+        yield srv
 
 
 def _admin_calls(c: httpx.Client, host: str) -> dict[str, httpx.Response]:
@@ -165,12 +152,9 @@ def test_a_key_or_open_admin_decides_instead_of_the_host(
 ) -> None:
     """Under ``Host: attacker.example``; the app runs without its engine (lifespan off): an
     admitted load is the 503 of an engine still loading, the experiment data a 200."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
-    settings = ServerSettings(
-        engine=EngineConfig(model=str(tiny_llama)), api_key=key, open_admin=open_admin
-    )
+    settings = tiny_settings(tiny_llama, api_key=key, open_admin=open_admin)
     srv = Server(create_app(settings), lifespan="off")
     srv.listen()
     try:
@@ -193,11 +177,10 @@ def test_no_docs_pages_and_nothing_loaded_from_elsewhere(tiny_llama: Path) -> No
     """``/docs`` and ``/redoc`` are 404s in OpenAI's format (FastAPI's loaded Swagger UI and
     ReDoc from cdn.jsdelivr.net, without CSP or integrity); ``/openapi.json`` stays; every page
     and asset the server serves references no other origin and carries the strict CSP."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
     from steerserve.server.pages import ASSETS
 
-    app = create_app(ServerSettings(engine=EngineConfig(model=str(tiny_llama)), api_key=KEY))
+    app = create_app(tiny_settings(tiny_llama))
     srv = Server(app, lifespan="off")
     srv.listen()
     try:

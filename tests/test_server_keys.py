@@ -7,17 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from test_server import tiny_settings
 
 
 def test_any_key_authenticates_and_aliases_name_the_model(tiny_llama: Path) -> None:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
-    settings = ServerSettings(
-        engine=EngineConfig(model=str(tiny_llama)),
-        api_key=("k1", "k2"),
-        served_model_name=("tiny", "alias"),
-    )
+    settings = tiny_settings(tiny_llama, api_key=("k1", "k2"), served_model_name=("tiny", "alias"))
     client = TestClient(create_app(settings))  # no `with`: the engine is never started
 
     def chat(model: str, key: str) -> int:
