@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from steerserve import artifacts as A
 from steerserve.artifacts import fingerprint
 from steerserve.engine.registry import tensor_sha256
-from steerserve.engine.spec import POSITIONS
 
 
 def _manifest(binding: A.ModelBinding, **kw: typing.Any) -> A.Manifest:
@@ -91,7 +90,6 @@ def test_round_trip(art: A.Artifact, binding: A.ModelBinding, tiny_llama: Path) 
         4.0,
         "last_prompt_and_generated",
     )
-    assert set(typing.get_args(A.Positions)) == set(POSITIONS)
 
 
 def test_save_refuses_overwrite_and_bad_sha(art: A.Artifact, binding: A.ModelBinding) -> None:

@@ -37,7 +37,8 @@ def test_every_row_is_complete():
 
 def test_every_copy_derives_from_the_registry():
     """The entry is described in one place: these are the copies that must agree with it."""
-    from steerserve.artifacts import Intervention, OpName, Positions
+    from steerserve.artifacts import Intervention
+    from steerserve.research.calibrate import Setting
     from steerserve.research.runner import Edit, entry_edits
     from steerserve.server.answers import AppliedIntervention
     from steerserve.server.steering import _ENTRY_SCHEMA
@@ -53,22 +54,33 @@ def test_every_copy_derives_from_the_registry():
         for n, o in OPS.items()
         if o.engine and o.scale_range
     }
-    assert typing.get_args(Positions) == tuple(POSITIONS)
-    assert typing.get_args(OpName) == tuple(OPS)
+    # the pydantic copies carry the entry's own field definitions (types, bounds, defaults)
+    declared = spec.entry_fields()
+    for model, leave_out in ((Intervention, {"vector"}), (AppliedIntervention, set())):
+        for name, (typ, default) in declared.items():
+            if name in leave_out:
+                continue
+            f, (kind, info) = model.model_fields[name], typing.get_args(typ)
+            want = (kind, info.metadata, info.description, default is ...)
+            assert (f.annotation, f.metadata, f.description, f.is_required()) == want, name
     assert Intervention.model_fields["op"].default == DEFAULT_OP
-    assert {"op", "positions", "scale", "layer"} <= set(AppliedIntervention.model_fields)
+    with pytest.raises(ValueError, match="finite"):
+        Intervention(name="v", tensor="v", layer=0, scale=float("nan"))
+    # the research wing's settings and edits hold an entry, not a renamed copy of one
+    for cls in (Setting, Edit):
+        assert {f.name for f in dataclasses.fields(cls)} & fields == set(), cls
+        assert dataclasses.fields(cls)[1].type in ("SteeringEntry", SteeringEntry)
     v = {"v": torch.ones(H)}
     for name in OPS:
-        Edit("e", 1, name, torch.ones(H))  # every op is a research edit kind
-    with pytest.raises(ValueError, match="unknown edit kind"):
-        Edit("e", 1, "rotate", torch.ones(H))
+        Edit.of("e", 1, name, torch.ones(H))  # every op is a research edit
+    with pytest.raises(ValueError, match="unknown op"):
+        Edit.of("e", 1, "rotate", torch.ones(H))
     for pos, phases in POSITIONS.items():
         for name in engine_ops():
             (e,) = entry_edits([SteeringEntry("v", 1, 0.5, pos, name)], v)
-            assert e.kind == name and e.alpha == 0.5
-            got = {spec.PHASE_PROMPT: e.prompt, spec.PHASE_LAST_PROMPT: e.at_last,
-                   spec.PHASE_GENERATED: e.gen}  # fmt: skip
-            assert {ph for ph, on in got.items() if on} == set(phases), (pos, name)
+            assert (e.entry.op, e.entry.scale) == (name, 0.5)
+            assert e.phases == set(phases), (pos, name)
+    assert Edit.of("e", 1, "add", torch.ones(H)).phases == {spec.PHASE_LAST_PROMPT}
 
 
 class _Block(torch.nn.Module):

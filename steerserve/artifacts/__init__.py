@@ -39,8 +39,6 @@ from steerserve.artifacts.manifest import (
     Manifest,
     ModelBinding,
     ModelMismatch,
-    OpName,
-    Positions,
     parse_manifest,
     read_manifest,
 )
@@ -79,8 +77,6 @@ __all__ = [
     "Manifest",
     "ModelBinding",
     "ModelMismatch",
-    "OpName",
-    "Positions",
     "SCHEMA_VERSION",
     "SHAPE_KEYS",
     "SLUG",

@@ -7,19 +7,27 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from steerserve import __version__
 from steerserve.engine.ops import DEFAULT_OP, OPS
-from steerserve.engine.spec import OpName, SteeringEntry
-from steerserve.engine.spec import PositionName as Positions
+from steerserve.engine.spec import SteeringEntry, entry_fields
 
 log = logging.getLogger(__name__)
 
@@ -73,28 +81,26 @@ class ModelBinding(_Strict):
     source: str = ""
 
 
-class Intervention(_Strict):
-    """One vector with its recommended use: ``op`` (default: add ``scale * v``) at the output of
-    block ``layer``. ``op`` is written only when it is not ``add``, so a manifest of additive
-    interventions reads as it did before operations existed (and older readers still load it)."""
+#: An entry's layer, scale, positions and op, with their types, bounds and defaults, as the
+#: steering entry declares them (``engine/spec.py``): an intervention is an entry whose vector is
+#: the artifact's own (``name``, stored as ``tensor``).
+_EntryFields = create_model(
+    "_EntryFields", __base__=_Strict, __module__=__name__, **entry_fields(leave_out={"vector"})
+)
+
+
+class Intervention(_EntryFields):  # type: ignore[misc,valid-type]
+    """One vector with its recommended use: the entry (``op``, default: add ``scale * v``, at the
+    output of block ``layer``) the artifact recommends for its vector ``name``. ``op`` is written
+    only when it is not ``add``, so a manifest of additive interventions reads as it did before
+    operations existed (and older readers still load it)."""
 
     name: str = Field(pattern=SLUG)
     tensor: str = Field(min_length=1)
-    layer: int = Field(ge=0)
-    scale: float
-    positions: Positions = "all"
-    op: OpName = Field(DEFAULT_OP, exclude_if=lambda v: v == DEFAULT_OP)
     sha256: str = ""
     norm: float | None = None
     provenance: dict[str, Any] = Field(default_factory=dict)
     calibration: dict[str, Any] | None = None
-
-    @field_validator("scale")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError(f"scale must be finite, got {v}")
-        return v
 
     @model_validator(mode="after")
     def _op_scale(self) -> Intervention:
@@ -102,6 +108,13 @@ class Intervention(_Strict):
         if why is not None:
             raise ValueError(f"scale {self.scale} {why}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _additive_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("op") == DEFAULT_OP:
+            del out["op"]
+        return out
 
 
 #: ISO 639-1 codes the server's language detection can return (lingua's 75 languages; a test

@@ -76,7 +76,9 @@ class SteeringEntry:
     layer: Annotated[
         int, Field(ge=0, le=MAX_LAYER, description="0-based decoder block (its output)")
     ]
-    scale: Annotated[float, Field(description="the operation's strength")] = 1.0
+    scale: Annotated[float, Field(allow_inf_nan=False, description="the operation's strength")] = (
+        1.0
+    )
     positions: Annotated[
         PositionName, Field(description="the tokens steered: " + ", ".join(POSITIONS))
     ] = "all"

@@ -88,19 +88,32 @@ class Grid:
 
 @dataclass(frozen=True)
 class Setting:
-    """One intervention's placement: candidate variant, layer, scale (residual-norm units)."""
+    """A candidate's placement: the steering ``entry`` that applies candidate ``variant`` (its
+    vector ``cand/<variant>/L<layer>``, scale in residual-norm units)."""
 
     variant: str
-    layer: int
-    scale: float
-    positions: str = "last_prompt_and_generated"
+    entry: SteeringEntry
 
-    @property
-    def vector(self) -> str:
-        return f"cand/{self.variant}/L{self.layer}"
+    @classmethod
+    def at(
+        cls, variant: str, layer: int, scale: float, positions: str = "last_prompt_and_generated"
+    ) -> Setting:
+        """``variant`` at ``layer`` (a sweep steers from the last prompt token by default)."""
+        return cls(variant, SteeringEntry(f"cand/{variant}/L{layer}", layer, scale, positions))
 
-    def entry(self) -> SteeringEntry:
-        return SteeringEntry(self.vector, self.layer, self.scale, self.positions)
+    def moved(self, **change: Any) -> Setting:
+        """This setting with another ``scale`` or ``positions``."""
+        return Setting.at(**self.as_dict() | change)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The flat form results files keep (read back by ``Setting.at(**d)``)."""
+        e = self.entry
+        return {
+            "variant": self.variant,
+            "layer": e.layer,
+            "scale": e.scale,
+            "positions": e.positions,
+        }
 
 
 @dataclass
@@ -125,8 +138,8 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         d = {
             "stage": self.stage,
-            "recall": dataclasses.asdict(self.recall) if self.recall else None,
-            "translation": dataclasses.asdict(self.translation) if self.translation else None,
+            "recall": self.recall.as_dict() if self.recall else None,
+            "translation": self.translation.as_dict() if self.translation else None,
         }
         d.update(
             non_en=round(self.non_en, 4),
@@ -227,8 +240,10 @@ class Sweep(SweepBook):
         self.max_tokens = max_tokens
 
     def register(self, s: Setting) -> None:
-        if s.vector not in self.engine.registry:
-            self.engine.register_vector(s.vector, unit_scaled(self.cands, s.variant, s.layer))
+        if s.entry.vector not in self.engine.registry:
+            self.engine.register_vector(
+                s.entry.vector, unit_scaled(self.cands, s.variant, s.entry.layer)
+            )
 
     def run_many(self, stage: str, pairs: Sequence[Pair]) -> list[Row]:
         return [self.run(self.stage_name(stage, p), *p) for p in pairs]
@@ -241,7 +256,7 @@ class Sweep(SweepBook):
         for s in (recall, translation):
             if s is not None:
                 self.register(s)
-                entries.append(s.entry())
+                entries.append(s.entry)
         texts, secs = run_config(self.engine, self.records, entries or None, self.max_tokens)
         row = summarise(self.records, texts, Row(stage, recall, translation, seconds=secs))
         return self.keep(
@@ -256,8 +271,9 @@ class Sweep(SweepBook):
 def fmt_setting(s: Setting | None) -> str:
     if s is None:
         return "-"
-    pos = "" if s.positions == "last_prompt_and_generated" else f"/{s.positions}"
-    return f"{s.variant.removeprefix('recall.')}@L{s.layer}x{s.scale:g}{pos}"
+    e = s.entry
+    pos = "" if e.positions == "last_prompt_and_generated" else f"/{e.positions}"
+    return f"{s.variant.removeprefix('recall.')}@L{e.layer}x{e.scale:g}{pos}"
 
 
 # --- the plan, one for both objectives (accuracy here, log P in calibrate_logp) ----------------
@@ -268,13 +284,13 @@ def coarse_settings(grid: Grid) -> tuple[list[Setting], list[Setting]]:
     then every translation layer x scale."""
     pos0 = grid.positions[0]
     rec = [
-        Setting(v, layer, s, pos0)
+        Setting.at(v, layer, s, pos0)
         for v in grid.recall_variants
         for layer in grid.recall_layers
         for s in grid.recall_scales
     ]
     tr = [
-        Setting("translation", layer, s, pos0)
+        Setting.at("translation", layer, s, pos0)
         for layer in grid.translation_layers
         for s in grid.translation_scales
     ]
@@ -293,14 +309,11 @@ def fine_pairs(cur: Row, grid: Grid) -> tuple[list[Pair], list[Pair]]:
     assert cur.recall and cur.translation
     scaled: list[Pair] = []
     for f in grid.fine_factors:
-        r2 = dataclasses.replace(cur.recall, scale=round(cur.recall.scale * f, 4))
-        t2 = dataclasses.replace(cur.translation, scale=round(cur.translation.scale * f, 4))
+        r2 = cur.recall.moved(scale=round(cur.recall.entry.scale * f, 4))
+        t2 = cur.translation.moved(scale=round(cur.translation.entry.scale * f, 4))
         scaled += [(r2, cur.translation), (cur.recall, t2)]
     moved: list[Pair] = [
-        (
-            dataclasses.replace(cur.recall, positions=p),
-            dataclasses.replace(cur.translation, positions=p),
-        )
+        (cur.recall.moved(positions=p), cur.translation.moved(positions=p))
         for p in grid.positions[1:]
     ]
     return scaled, moved
@@ -407,12 +420,13 @@ def build_artifact(
     ivs, tensors = [], {}
     for iv_name, s in (("recall", winner.recall), ("translation", winner.translation)):
         assert s is not None
-        tensors[iv_name] = unit_scaled(cands, s.variant, s.layer)
+        e = s.entry
+        tensors[iv_name] = unit_scaled(cands, s.variant, e.layer)
         prov = {
             "variant": s.variant,
             "definition": cands.meta.get("definitions", {}),
             "extraction": {k: cands.meta.get(k) for k in ("config", "groups", "fact_split")},
-            "layer_resid_norm": float(cands.tensors[NORM_KEY][s.layer]),
+            "layer_resid_norm": float(cands.tensors[NORM_KEY][e.layer]),
             "vector_norm": "unit direction x layer_resid_norm; scale in residual-norm units",
             **(extra_provenance or {}),
         }
@@ -420,9 +434,9 @@ def build_artifact(
             Intervention(
                 name=iv_name,
                 tensor=iv_name,
-                layer=s.layer,
-                scale=s.scale,
-                positions=s.positions,  # type: ignore[arg-type]
+                layer=e.layer,
+                scale=e.scale,
+                positions=e.positions,  # type: ignore[arg-type]
                 provenance=prov,
                 calibration=cal,
             )
@@ -563,4 +577,4 @@ def write_summary(result: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def _fmt_d(d: dict[str, Any] | None) -> str:
-    return fmt_setting(Setting(**d)) if d else "-"
+    return fmt_setting(Setting.at(**d)) if d else "-"

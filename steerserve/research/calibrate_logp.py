@@ -46,8 +46,10 @@ class LogpSweep(SweepBook):
     def _step(self, pair: tuple[Setting | None, Setting | None]) -> Any:
         ss = [s for s in pair if s is not None]
         dev = getattr(self.scorer, "dev", "cpu")  # edits add to hidden states on the model's device
-        vectors = {s.vector: unit_scaled(self.cands, s.variant, s.layer).to(dev) for s in ss}
-        return entry_edits([s.entry() for s in ss], vectors) or None
+        vectors = {
+            s.entry.vector: unit_scaled(self.cands, s.variant, s.entry.layer).to(dev) for s in ss
+        }
+        return entry_edits([s.entry for s in ss], vectors) or None
 
     def run_many(
         self, stage: str, pairs: Sequence[tuple[Setting | None, Setting | None]]

@@ -27,7 +27,13 @@ import numpy as np
 import torch
 
 from steerserve.engine.ops import DEFAULT_OP, OPS, ordered
-from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT, POSITIONS
+from steerserve.engine.spec import (
+    PHASE_GENERATED,
+    PHASE_LAST_PROMPT,
+    PHASE_PROMPT,
+    POSITIONS,
+    SteeringEntry,
+)
 from steerserve.models.chat import chat_ids, reply_separator
 from steerserve.research.analyze import answer_sep
 from steerserve.research.hf import decoder_layers, left_padded
@@ -128,42 +134,58 @@ def _bar(progress: bool | str, total: int) -> Any:
 # --- edits and hooks ---------------------------------------------------------------------------
 
 
+#: Research's own placement: the last prompt token alone (each of the engine's ``positions``
+#: steers the generated tokens too).
+LAST_PROMPT_ONLY = (PHASE_LAST_PROMPT,)
+
+
 @dataclass
 class Edit:
-    """An edit at the output of block ``layer``: the operation ``kind`` (a row of
-    ``engine/ops.py``: ``add`` h <- h + alpha v, ``ablate``, ``replace`` h <- alpha v, ``interp``
-    h <- (1 - alpha) h + alpha v) at the last prompt token (``at_last``), at every later token
-    (``gen``) and at every earlier prompt token (``prompt``): the engine's ``positions`` are
-    ``all`` (all three), ``last_prompt_and_generated`` and ``generated``. ``vec`` is ``[H]`` (one
-    vector) or ``[N, H]`` (row i for item i of the run)."""
+    """A steering ``entry`` (its op, layer and scale; ``engine/ops.py``'s reference of the op)
+    applied with the tensor ``vec``: ``[H]`` (one vector) or ``[N, H]`` (row i for item i of the
+    run), on the tokens of the entry's ``positions``, or on the last prompt token alone
+    (``last_prompt_only``). ``name`` labels the edit in results."""
 
     name: str
-    layer: int
-    kind: str
+    entry: SteeringEntry
     vec: torch.Tensor
-    alpha: float = 1.0
-    gen: bool = False
-    prompt: bool = False
-    at_last: bool = True
+    last_prompt_only: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        layer: int,
+        op: str,
+        vec: torch.Tensor,
+        scale: float = 1.0,
+        positions: str | None = None,
+    ) -> Edit:
+        """An edit of ``vec`` by ``op``; ``positions`` None: the last prompt token only."""
+        entry = SteeringEntry(name, layer, scale, positions or "last_prompt_and_generated", op)
+        return cls(name, entry, vec, positions is None)
 
     def __post_init__(self) -> None:
-        if self.kind not in OPS:
-            raise ValueError(f"unknown edit kind {self.kind!r}; one of {', '.join(OPS)}")
+        if self.entry.op not in OPS:
+            raise ValueError(f"unknown op {self.entry.op!r}; one of {', '.join(OPS)}")
+        phases = LAST_PROMPT_ONLY if self.last_prompt_only else POSITIONS[self.entry.positions]
+        self.phases = frozenset(phases)
 
     def _apply(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         v = self.vec if self.vec.dim() == 1 else self.vec[rows]
         if v.dim() == 2 and h.dim() == 3:  # one vector per row, over its positions
             v = v.unsqueeze(1)
-        return OPS[self.kind].reference(h, v.to(device=h.device, dtype=torch.float32), self.alpha)
+        v = v.to(device=h.device, dtype=torch.float32)
+        return OPS[self.entry.op].reference(h, v, self.entry.scale)
 
     def last(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._apply(h, rows) if self.at_last else h
+        return self._apply(h, rows) if PHASE_LAST_PROMPT in self.phases else h
 
     def later(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._apply(h, rows) if self.gen else h
+        return self._apply(h, rows) if PHASE_GENERATED in self.phases else h
 
     def early(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return self._apply(h, rows) if self.prompt else h
+        return self._apply(h, rows) if PHASE_PROMPT in self.phases else h
 
 
 #: What one pass applies: nothing, one edit, or several (on one layer in the registry's order,
@@ -180,29 +202,20 @@ def step_name(step: Step) -> str:
 
 
 def _kind(e: Edit) -> str:
-    return e.kind
+    return e.entry.op
 
 
-def entry_edits(entries: Sequence[Any], vectors: Mapping[str, torch.Tensor]) -> tuple[Edit, ...]:
+def entry_edits(
+    entries: Sequence[SteeringEntry], vectors: Mapping[str, torch.Tensor]
+) -> tuple[Edit, ...]:
     """Engine steering entries (``SteeringEntry``) as one step of edits, their phases the
     engine's (``POSITIONS``)."""
-    out = []
-    for e in entries:
-        ph = POSITIONS[e.positions]
+
+    def label(e: SteeringEntry) -> str:
         op = "" if e.op == DEFAULT_OP else f"{e.op}:"
-        out.append(
-            Edit(
-                f"{op}{e.vector}@{e.layer}x{e.scale:g}/{e.positions}",
-                e.layer,
-                e.op,
-                vectors[e.vector].float(),
-                e.scale,
-                gen=PHASE_GENERATED in ph,
-                prompt=PHASE_PROMPT in ph,
-                at_last=PHASE_LAST_PROMPT in ph,
-            )
-        )
-    return tuple(out)
+        return f"{op}{e.vector}@{e.layer}x{e.scale:g}/{e.positions}"
+
+    return tuple(Edit(label(e), e, vectors[e.vector].float()) for e in entries)
 
 
 class Hooks:
@@ -224,7 +237,7 @@ class Hooks:
     def _hook(self, i: int) -> Callable[..., Any]:
         def f(module: Any, args: Any, output: Any) -> Any:  # noqa: ARG001
             h = output[0] if isinstance(output, tuple) else output
-            for e in ordered((e for e in self.edits if e.layer == i), _kind):
+            for e in ordered((e for e in self.edits if e.entry.layer == i), _kind):
                 if self.phase == "last":
                     h = h.clone()
                     h[:, -1] = e.last(h[:, -1], self.rows)
@@ -375,7 +388,9 @@ class Runner:
     def _pass(self, b: _Batch, step: Step, enc: Sequence, records: Sequence, cap: bool):
         hk = self.hooks
         edits = edits_of(step)
-        if any(e.prompt for e in edits):  # positions "all": this step's own prompt KV
+        if any(
+            PHASE_PROMPT in e.phases for e in edits
+        ):  # positions "all": this step's own prompt KV
             cache = self._prefix_kv(b.ids, b.mask, b.pos, b.rows, edits)
         else:
             cache = copy.deepcopy(b.cache)

@@ -43,12 +43,12 @@ def artifact_dir(tiny_gemma: Path, cands: Candidates, tmp_path_factory) -> Path:
         # A steered sweep after the unsteered one shares its prompt KV (engine/prefix.py), which
         # must not change a steered result: the same as on an engine that never saw the prompts.
         sw = cal.Sweep(eng, cands, records)
-        s = cal.Setting("recall.native.diff", 1, 2.0)
+        s = cal.Setting.at("recall.native.diff", 1, 2.0)
         sw.register(s)
         base, _ = cal.run_config(eng, records, None)
-        shared, _ = cal.run_config(eng, records, [s.entry()])
+        shared, _ = cal.run_config(eng, records, [s.entry])
         eng.llm.reset_prefix_cache()
-        fresh, _ = cal.run_config(eng, records, [s.entry()])
+        fresh, _ = cal.run_config(eng, records, [s.entry])
         assert shared == fresh
         assert shared != base  # the steering does something, so the check means something
         result = cal.calibrate(eng, cands, records, grid, log=lambda *_: None)

@@ -39,7 +39,9 @@ def _toy_run(ctx: Context, plan: Plan) -> dict[str, Any]:
     items = plan.inputs["items"]
     h = ctx.runner.model.config.get_text_config().hidden_size
     vec = torch.randn(h, generator=torch.Generator().manual_seed(0))
-    edit = Edit("rand@1", 1, "add", vec, ctx.args.toy_scale, gen=True)
+    edit = Edit.of(
+        "rand@1", 1, "add", vec, ctx.args.toy_scale, positions="last_prompt_and_generated"
+    )
     res, _ = ctx.runner.run(items, [None, edit], progress=False)
     return {"rand@1": compact(summarise(items, res[1], res[0])), "n": len(items)}
 

@@ -52,9 +52,13 @@ def test_forced_logp_and_greedy_match_full_forwards(runner: Runner) -> None:
 def test_replacing_a_state_by_itself_changes_nothing(runner: Runner) -> None:
     (base,), states = runner.run(RECORDS, capture=True, progress=False)
     assert states is not None and states.shape[:2] == (len(RECORDS), runner.num_layers)
-    edits = [Edit(f"self@{ly}", ly, "replace", states[:, ly]) for ly in range(runner.num_layers)]
-    edits.append(Edit("interp", 1, "interp", states[:, 1], alpha=0.5))
-    edits.append(Edit("zero", 2, "add", torch.zeros(states.shape[-1]), gen=True))
+    edits = [Edit.of(f"self@{ly}", ly, "replace", states[:, ly]) for ly in range(runner.num_layers)]
+    edits.append(Edit.of("interp", 1, "interp", states[:, 1], scale=0.5))
+    edits.append(
+        Edit.of(
+            "zero", 2, "add", torch.zeros(states.shape[-1]), positions="last_prompt_and_generated"
+        )
+    )
     res, _ = runner.run(RECORDS, edits, progress=False)
     for per_edit in res:
         for a, b in zip(per_edit, base, strict=True):

@@ -190,7 +190,8 @@ def synthetic(tiny_llama: Path, tmp_path_factory) -> dict:
     rec_s, tr_s = coarse_settings(Grid.for_layers(4, **GRID))
     ss = [rec_s[0], tr_s[0]]
     edits = entry_edits(
-        [s.entry() for s in ss], {s.vector: unit_scaled(cands, s.variant, s.layer) for s in ss}
+        [s.entry for s in ss],
+        {s.entry.vector: unit_scaled(cands, s.variant, s.entry.layer) for s in ss},
     )
     records = []
     for lang in ("en", "de", "fr", "ja"):

@@ -299,7 +299,7 @@ def function_vectors(
     )
     chosen = [(ly, j) for _, ly, j in flat[:heads]]
     fv = function_vector(runner.model, means, chosen).float()
-    edits = [Edit(f"fv{heads}x{s:g}@{ly}", ly, "add", fv, s) for ly in layers for s in scales]
+    edits = [Edit.of(f"fv{heads}x{s:g}@{ly}", ly, "add", fv, s) for ly in layers for s in scales]
     rs = [{**r, **as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in sel]
     rc = [{**r, **as_prompt(form_prompt(facts[r["id"]], "zero", form, seed))} for r in conf]
     forms = {"zero": select_confirm(runner, rs, rc, edits, top, p("zero"))}

@@ -94,11 +94,23 @@ def oracle_edits(
     edits = []
     for ly in layers:
         edits += [
-            Edit(f"replace_fact{suffix}@{ly}", ly, "replace", h_p[:, ly]),
-            Edit(f"add_fact{suffix}@{ly}", ly, "add", h_p[:, ly] - h_x[:, ly], gen=True),
-            Edit(f"replace_rel{suffix}@{ly}", ly, "replace", rel_p[:, ly]),
-            Edit(f"add_rel{suffix}@{ly}", ly, "add", rel_p[:, ly] - rel_x[:, ly], gen=True),
-            Edit(
+            Edit.of(f"replace_fact{suffix}@{ly}", ly, "replace", h_p[:, ly]),
+            Edit.of(
+                f"add_fact{suffix}@{ly}",
+                ly,
+                "add",
+                h_p[:, ly] - h_x[:, ly],
+                positions="last_prompt_and_generated",
+            ),
+            Edit.of(f"replace_rel{suffix}@{ly}", ly, "replace", rel_p[:, ly]),
+            Edit.of(
+                f"add_rel{suffix}@{ly}",
+                ly,
+                "add",
+                rel_p[:, ly] - rel_x[:, ly],
+                positions="last_prompt_and_generated",
+            ),
+            Edit.of(
                 f"replace_corrected{suffix}@{ly}",
                 ly,
                 "replace",
@@ -176,7 +188,7 @@ def oracle(
         rel_x = torch.stack([means[(r["lang"], rel)] for r, rel in zip(recs, rels, strict=True)])
         sfx = "" if pv == "en" else f".{pv}"
         mid = runner.num_layers // 2
-        first: list[Edit | None] = [None, Edit(f"self{sfx}@{mid}", mid, "replace", h_x[:, mid])]
+        first: list[Edit | None] = [None, Edit.of(f"self{sfx}@{mid}", mid, "replace", h_x[:, mid])]
         names: list[str] = ["none", f"self{sfx}@{mid}"]
         results: list[list[dict]] = []
         for g in range(0, len(layers), group):

@@ -66,8 +66,8 @@ def task_vectors(
         for src in sources:
             for ly in layers:
                 v = means[src][ly]
-                edits += [Edit(f"{src}.interp{a}@{ly}", ly, "interp", v, a) for a in alphas]
-                edits.append(Edit(f"{src}.add@{ly}", ly, "add", v - means[target][ly]))
+                edits += [Edit.of(f"{src}.interp{a}@{ly}", ly, "interp", v, a) for a in alphas]
+                edits.append(Edit.of(f"{src}.add@{ly}", ly, "add", v - means[target][ly]))
         kind = "zero" if target == "zero" else "eval"
         recs_s = [{**r, **as_prompt(form_prompt(facts[r["id"]], kind, form, seed))} for r in sel]
         recs_c = [{**r, **as_prompt(form_prompt(facts[r["id"]], kind, form, seed))} for r in conf]

@@ -66,7 +66,11 @@ def translation(
     groups = {k: [form_prompt(f, k, form, seed) for f in pool] for k in ("convert0", "zero")}
     means = cached_tensors(p("means.pt"), lambda: pooled_means(runner.model, runner.tok, groups))
     d = means["convert0"] - means["zero"]
-    edits = [Edit(f"tr{s}@{ly}", ly, "add", d[ly], s, gen=True) for ly in layers for s in scales]
+    edits = [
+        Edit.of(f"tr{s}@{ly}", ly, "add", d[ly], s, positions="last_prompt_and_generated")
+        for ly in layers
+        for s in scales
+    ]
     recs = [{**r, **as_prompt(form_prompt(facts[r["id"]], "eval", form, seed))} for r in sel]
 
     def select() -> dict[str, Any]:

@@ -125,7 +125,7 @@ def calibration(ctx: Context) -> dict[str, Any]:
 
     result = read_json(ctx.work / "calibration.json")
     c = result["chosen"]
-    result["_winner"] = Row(c["stage"], Setting(**c["recall"]), Setting(**c["translation"]))
+    result["_winner"] = Row(c["stage"], Setting.at(**c["recall"]), Setting.at(**c["translation"]))
     return result
 
 
