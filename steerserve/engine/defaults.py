@@ -11,3 +11,7 @@ MAX_NUM_SEQS = 64
 #: model's 64 sequences of about 580 tokens in bfloat16. On a GPU none is set, so that
 #: ``gpu_memory_utilization`` sizes it, as in vLLM.
 CPU_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+#: The KV cache of a research engine on a CPU (tune, calibrate, evaluate): short fact prompts and
+#: answers of a few tokens.
+RESEARCH_KV_CACHE_MEMORY_BYTES = 512 << 20

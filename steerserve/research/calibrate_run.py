@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steerserve.engine.defaults import RESEARCH_KV_CACHE_MEMORY_BYTES
 from steerserve.research import calibrate as cal
 from steerserve.research.arms import UNSTEERED
 from steerserve.research.extract import Candidates
@@ -39,7 +40,7 @@ class CalibrateConfig:
     dtype: str = "auto"  # engine dtype (accuracy) or transformers dtype (logp; see torch_dtype)
     device: str = "cpu"
     batch_size: int = 64
-    kv_cache_bytes: int = 512 << 20
+    kv_cache_bytes: int = RESEARCH_KV_CACHE_MEMORY_BYTES
     max_num_seqs: int = 64
     cpu_threads: str = ""
     threads: int = 0  # logp: torch threads (0: as many as cpu_threads lists, else torch's own)

@@ -15,6 +15,8 @@ from typing import Any
 
 import typer
 
+from steerserve.engine.defaults import RESEARCH_KV_CACHE_MEMORY_BYTES
+
 
 def _resolve_model(model: str) -> Path:
     from steerserve.models import resolve_model
@@ -189,7 +191,7 @@ def calibrate(
         "cpu", help="logp only: torch device of the scoring model (cpu, cuda, cuda:1, ...)."
     ),
     batch_size: int = typer.Option(64, help="logp only: items per forward pass."),
-    kv_cache_bytes: int = typer.Option(512 << 20, help=KV_HELP),
+    kv_cache_bytes: int = typer.Option(RESEARCH_KV_CACHE_MEMORY_BYTES, help=KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option(
         "", help=_THREADS_HELP + " With logp, the number of cores listed is torch's thread count."
@@ -278,7 +280,7 @@ def eval_cmd(
         show_default=False,
     ),
     dtype: str = typer.Option("auto", help=ENGINE_DTYPE_HELP),
-    kv_cache_bytes: int = typer.Option(512 << 20, help=KV_HELP),
+    kv_cache_bytes: int = typer.Option(RESEARCH_KV_CACHE_MEMORY_BYTES, help=KV_HELP),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from steerserve.engine.defaults import RESEARCH_KV_CACHE_MEMORY_BYTES
 from steerserve.engine.spec import SteeringEntry
 from steerserve.research import reporting as R
 from steerserve.research.arms import (
@@ -413,7 +414,7 @@ def open_engine(
     model_dir: str | Path,
     dtype: str = "auto",
     max_num_seqs: int = 64,
-    kv_cache_bytes: int = 512 << 20,
+    kv_cache_bytes: int = RESEARCH_KV_CACHE_MEMORY_BYTES,
     block_size: int | None = 32,
     max_model_len: int = 1024,
     cpu_threads: str | None = None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from steerserve.engine.defaults import RESEARCH_KV_CACHE_MEMORY_BYTES
 from steerserve.research import evaluate as ev
 from steerserve.research import runs
 
@@ -39,7 +40,7 @@ class EvalConfig:
     max_cut_share: float = 0.02
     plan: Path | None = None
     dtype: str = "auto"
-    kv_cache_bytes: int = 512 << 20
+    kv_cache_bytes: int = RESEARCH_KV_CACHE_MEMORY_BYTES
     max_num_seqs: int = 64
     cpu_threads: str = ""
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from steerserve.engine.defaults import RESEARCH_KV_CACHE_MEMORY_BYTES
 from steerserve.research.runs import ConfigError
 from steerserve.research.tune import stages as S
 from steerserve.research.tune.config import STAGES, TuneConfig, check, parts
@@ -29,7 +30,11 @@ def sized(cfg: TuneConfig, model_dir: Path) -> tuple[int, int, str]:
     params = 12 * conf.get("hidden_size", 0) ** 2 * conf.get("num_hidden_layers", 0)
     gpu = cfg.device.startswith("cuda")
     batch = cfg.batch_size or (32 if gpu else 16 if params > 5e8 else 64)
-    kv = cfg.kv_cache_bytes if cfg.kv_cache_bytes >= 0 else (0 if gpu else 512 << 20)
+    kv = (
+        cfg.kv_cache_bytes
+        if cfg.kv_cache_bytes >= 0
+        else (0 if gpu else RESEARCH_KV_CACHE_MEMORY_BYTES)
+    )
     kv_txt = "vLLM's own" if kv == 0 else f"{kv >> 20} MiB"
     line = (
         f"sized for this machine: scoring batch {batch}, engine KV cache {kv_txt} "
