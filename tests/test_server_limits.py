@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_server import AUTH, KEY, MODEL, Server, chat_body, make_artifact
+from test_server import AUTH, MODEL, Server, chat_body, make_artifact, tiny_server
 
 SEATS = 8  # the engine's max_num_seqs here: at most SEATS // 2 = 4 sequences per request
 
@@ -29,26 +29,9 @@ def vectors(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, vectors: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
-    cfg = EngineConfig(
-        model=str(tiny_llama),
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=SEATS,
-        kv_cache_memory_bytes=64 << 20,
-    )
-    srv = Server(create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors), api_key=KEY)))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
+    engine = {"max_model_len": 1024, "max_num_seqs": SEATS}
+    with tiny_server(tiny_llama, vectors, engine) as srv:
+        yield srv
 
 
 def _completion(prompts: int, **kw: Any) -> dict[str, Any]:

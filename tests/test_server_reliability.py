@@ -24,6 +24,7 @@ from test_server import (
     chat_body,
     make_artifact,
     metric,
+    tiny_server,
     wrap_generate,
 )
 
@@ -32,29 +33,10 @@ LONG = "Quelle est la capitale de la France ? " * 8  # ~300 byte tokens: 5 prefi
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
     vectors = tmp_path_factory.mktemp("vectors")
     make_artifact(vectors, tiny_llama, "v1")
-    cfg = EngineConfig(
-        model=str(tiny_llama),
-        dtype="float32",
-        max_model_len=512,
-        max_num_batched_tokens=64,
-        kv_cache_memory_bytes=64 << 20,
-    )
-    app = create_app(ServerSettings(engine=cfg, vectors_dir=str(vectors), api_key=KEY))
-    srv = Server(app)
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
+    with tiny_server(tiny_llama, vectors, {"max_num_batched_tokens": 64}) as srv:
+        yield srv
 
 
 async def _burst(server: Server, calls: list[tuple[str, dict[str, Any]]]) -> list[httpx.Response]:
