@@ -20,7 +20,7 @@ import openai
 import pytest
 from _lm_eval import multiple_choice
 from pydantic import BaseModel
-from test_server import AUTH, KEY, MODEL, Server, make_artifact
+from test_server import KEY, MODEL, Server, make_artifact, tiny_server
 
 WEATHER = {
     "type": "function",
@@ -48,43 +48,14 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Server]:
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
     root = tmp_path_factory.mktemp("vectors")
     make_artifact(root, tiny_llama, "v1", seed=0)
-    cfg = EngineConfig(
-        model=str(tiny_llama),
-        dtype="float32",
-        max_model_len=512,
-        kv_cache_memory_bytes=64 << 20,
-        # compact JSON: a random model would otherwise fill its budget with whitespace
-        extra={
-            "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}
-        },
-    )
-    settings = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(root),
-        api_key=KEY,
-        steering="off",
-        tool_call_parser="hermes",  # the tiny template has no tool tags for "auto" to see
-    )
-    srv = Server(create_app(settings))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def oai(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
+    # compact JSON: a random model would otherwise fill its budget with whitespace
+    grammar = {"backend": "xgrammar", "disable_any_whitespace": True}
+    engine = {"extra": {"structured_outputs_config": grammar}}
+    # hermes: the tiny template has no tool tags for "auto" to see
+    with tiny_server(tiny_llama, root, engine, steering="off", tool_call_parser="hermes") as srv:
+        yield srv
 
 
 MESSAGES = [{"role": "user", "content": "Is Paris the capital of France?"}]

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from test_server import AUTH, KEY, MODEL, Server, make_artifact
+from test_server import AUTH, KEY, MODEL, Server, make_artifact, tiny_server
 
 #: Cases per operation and phase: the schemathesis test runs in about 30 s on two cores.
 EXAMPLES = 150
@@ -44,26 +44,12 @@ CHECKS = {
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[Server]:
     """A server with every route live: an API key (so the document declares it), an A/B
     experiment with a decision log (feedback and the experiment reports answer)."""
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
-
     root = tmp_path_factory.mktemp("openapi")
     make_artifact(root / "vectors", tiny_llama, "v1")
-    cfg = EngineConfig(
-        model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20
-    )
-    settings_ = ServerSettings(
-        engine=cfg,
-        vectors_dir=str(root / "vectors"),
-        api_key=KEY,
-        ab_split=0.5,
-        ab_name="openapi",
-        ab_log=str(root / "ab.jsonl"),
-    )
-    srv = Server(create_app(settings_))
-    srv.start()
-    yield srv
-    srv.stop()
+    engine = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
+    ab = {"ab_split": 0.5, "ab_name": "openapi", "ab_log": str(root / "ab.jsonl")}
+    with tiny_server(tiny_llama, root / "vectors", engine, **ab) as srv:
+        yield srv
 
 
 def _schema(server: Server) -> Any:

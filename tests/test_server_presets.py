@@ -44,17 +44,6 @@ def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-
-
 def _ask(oai: openai.OpenAI, model: str, content: str = FR) -> Any:
     return oai.chat.completions.create(
         model=model,

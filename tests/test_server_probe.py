@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from test_server import AUTH, MODEL, Server, make_artifact, tiny_server
+from test_server import MODEL, Server, make_artifact, tiny_server
 
 from steerserve.server.errors import MAX_PARAM
 from steerserve.server.presets import (
@@ -38,12 +38,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterat
     presets = ('half={"interventions": {"recall": 0.5}}',)
     with tiny_server(tiny_llama, root, engine, presets=presets) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
