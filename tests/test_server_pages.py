@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from _browser import chromium, expect, parrot, screenshot
-from test_server import AUTH, FR, JA, KEY, Server, make_artifact, tiny_server
+from test_server import FR, JA, KEY, Server, make_artifact, tiny_server, tiny_settings
 
 from steerserve.server.ab import analysis as ab_report
 from steerserve.server.ab.experiment import Experiment
@@ -42,12 +42,6 @@ def server(root: Path) -> Iterator[Server]:
         root / MODEL, root / "vectors", ab_split=0.5, ab_name=NAME, ab_log=str(root / "ab.jsonl")
     ) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -259,11 +253,9 @@ def test_experiments_refused_beyond_loopback_without_key(tiny_llama: Path) -> No
     vectors admin, while the page itself (no data) opens. No engine is started."""
     from fastapi.testclient import TestClient
 
-    from steerserve.engine.api import EngineConfig
-    from steerserve.server import ServerSettings, create_app
+    from steerserve.server import create_app
 
-    cfg = EngineConfig(model=str(tiny_llama), dtype="float32", max_model_len=512)
-    client = TestClient(create_app(ServerSettings(engine=cfg, host="0.0.0.0")))
+    client = TestClient(create_app(tiny_settings(tiny_llama, api_key=None, host="0.0.0.0")))
     r = client.get("/v1/steering/experiments")
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
     assert client.get("/v1/steering/experiments/report.png").status_code == 403
