@@ -69,23 +69,3 @@ def eval_records(
                 rec["answers_zh"] = zh[f.fact_id]
             out.append(rec)
     return out
-
-
-__all__ = [
-    "ANSWER_SEP",
-    "DATA",
-    "FORMS",
-    "LANGS",
-    "PAPER_LANGS",
-    "RELATIONS",
-    "SPLITS",
-    "TEMPLATES",
-    "Fact",
-    "default_shots",
-    "eval_records",
-    "load_facts",
-    "prompt",
-    "query",
-    "shot",
-    "shots_for",
-]
