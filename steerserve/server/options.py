@@ -8,6 +8,7 @@ with :func:`read` and :func:`settings`. A bad option is an :class:`OptionError` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -199,32 +200,21 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
     engine.extra.update(passed)
     if "quantization" in passed:  # vLLM's to accept or refuse, before the engine starts
         check_engine_config(engine)
+    # every serve setting the server keeps under its own name, then those it keeps otherwise
+    given = {
+        f.name: getattr(s, f.name) for f in dataclasses.fields(ServerSettings) if f.name in FIELDS
+    }
     return ServerSettings(
-        engine=engine,
-        vectors_dir=s.vectors_dir or default_vectors_dir(),
-        # the 4-bit checkpoint's folder is named w4: serve it under its model's name
-        served_model_name=tuple(s.served_model_name) or _w4_name(Path(engine.model)),
-        api_key=tuple(s.api_key),
-        steering=s.steering,
-        max_seqs_per_request=s.max_seqs_per_request,
-        drain_seconds=s.drain_seconds,
-        keep_alive_seconds=s.keep_alive_seconds,
-        host=s.host,
-        open_admin=s.open_admin,
-        exit_on_failure=True,
-        ab_split=s.ab_split,
-        ab_name=s.ab_name,
-        ab_log=s.ab_log,
-        ab_log_content=s.ab_log_content,
-        ab_store=s.ab_store,
-        ab_store_spill=s.ab_store_spill,
-        max_prompt_tokens_per_request=s.max_prompt_tokens_per_request,
-        max_scored_tokens_per_request=s.max_scored_tokens_per_request,
-        tool_call_parser=s.tool_call_parser,
-        enable_auto_tool_choice=s.enable_auto_tool_choice,
-        chat_template=s.chat_template,
-        presets=tuple(s.preset),
-        ab_preset=s.ab_preset,
+        **given
+        | {
+            "engine": engine,
+            "vectors_dir": s.vectors_dir or default_vectors_dir(),
+            # the 4-bit checkpoint's folder is named w4: serve it under its model's name
+            "served_model_name": tuple(s.served_model_name) or _w4_name(Path(engine.model)),
+            "api_key": tuple(s.api_key),
+            "presets": tuple(s.preset),
+            "exit_on_failure": True,
+        }
     )
 
 
