@@ -1,7 +1,7 @@
 """Compiled graphs (issue 48): stock vLLM vs steerserve, both ``torch.compile``d, one checkpoint.
 
-Where the eager skip is off (compiled forwards), every hooked layer's ops stay in the graph; this
-measures what that costs. Per round, one engine at a time and their order alternating: the stock
+Compiled, every hooked layer's ops stay in the graph: with CUDA graphs they run on every step, on
+a CPU their gates skip the arithmetic of idle layers (kernels.py); this measures what that costs. Per round, one engine at a time and their order alternating: the stock
 engine (no ``Steered<Arch>``) and the plugin's engine, each warmed, then burst tokens/s of
 ``--concurrency`` greedy requests submitted at once (``ignore_eos``, ``--tokens`` each). The
 plugin's engine runs three arms, rotated every round: ``idle`` (nothing steered), ``add`` (every
