@@ -234,17 +234,16 @@ def test_compiled_ops_skip_by_their_gates_in_one_graph(monkeypatch):
         ({"u": None}, []),  # the ablating request left: no stale gate
     ]
     g = torch.Generator().manual_seed(1)
-    graphs = None
+    graphs = counters["stats"]["unique_graphs"]  # process-wide: count this test's only
     for extra, want in steps:
         _step(st, extra)
         x = torch.randn(4 * len(extra), H, generator=g)
         calls.clear()
         got = compiled(x)
-        graphs = graphs or counters["stats"]["unique_graphs"]
         assert calls == want, (list(extra), calls)
         torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
         assert torch.equal(got, _compiled_ref(x)) == (not want)
-    assert counters["stats"]["unique_graphs"] == graphs == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 1, "a step traced another graph"
     st.skip_idle = False  # read when traced: a fresh trace always runs both ops
     torch._dynamo.reset()
     calls.clear()
