@@ -121,14 +121,16 @@ class SteeringState:
 
         users, depth, compiling = self._layer_users, self._op_depth, torch.compiler.is_compiling
         edits = self.ops_per_layer > 0  # static: 0 keeps steer_edit out of the graph
-        # the counters as host tensors sharing their memory: the ops' gates (kernels.py)
+        # the counters as host tensors sharing their memory: the ops' gates (kernels.py), on a
+        # CPU only (a GPU's compiled graph is captured: its ops always run, as before)
         users_t, depth_t = torch.from_numpy(users), torch.from_numpy(depth)
+        gates = self._shared
 
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
             hidden, residual = output  # vLLM keeps the stream split: add to hidden only
             if compiling():  # traced, the ops always stay in the graph: a branch would be baked in
                 # skip_idle is read once, at trace time: gated ops only where no graph is captured
-                gated = self.skip_idle
+                gated = gates and self.skip_idle
                 if edits:
                     hidden, residual = op.steer_edit(
                         hidden,
@@ -162,8 +164,9 @@ class SteeringState:
             layer.register_buffer("steer_pool", self.pool, persistent=False)
             layer.register_buffer("steer_op_index", self.op_index[i], persistent=False)
             layer.register_buffer("steer_op_rows", self.op_rows, persistent=False)
-            layer.register_buffer("steer_users", users_t[i : i + 1], persistent=False)
-            layer.register_buffer("steer_depth", depth_t[i : i + 1], persistent=False)
+            if gates:
+                layer.register_buffer("steer_users", users_t[i : i + 1], persistent=False)
+                layer.register_buffer("steer_depth", depth_t[i : i + 1], persistent=False)
             layer.register_forward_hook(hook)
             self.hooked_layers.append(i)
 
