@@ -110,7 +110,9 @@ def check_registration(op: Any, check: Checks) -> None:
     check("op registered", hasattr(torch.ops.steerserve, "steer_add"), f"with {op.REGISTERED_WITH}")
     check(
         "schema",
-        schema == "steerserve::steer_add(Tensor hidden, Tensor index, Tensor pool) -> Tensor",
+        schema
+        == "steerserve::steer_add(Tensor hidden, Tensor index, Tensor pool, Tensor? gate=None)"
+        " -> Tensor",
         schema,
     )
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from steerserve.engine.api import SteerEngine
 
 # vLLM's default multi-process mode, as served: single-process mode runs the CPU model far slower.
 
@@ -69,6 +73,41 @@ def _entries(eng) -> list[dict]:
     ]
 
 
+def build_engine(
+    model: str,
+    batch: int,
+    kv_cache_bytes: int,
+    compiled: bool,
+    steering: bool,
+    dtype: str = "auto",
+) -> SteerEngine:
+    """The engine every arm runs: stock (``steering=False``) or the plugin's, same settings; no
+    prefix caching, so every round does the same work; ``kv_cache_bytes`` 0: vLLM sizes it (GPU)."""
+    from steerserve.engine.api import EngineConfig, SteerEngine
+
+    return SteerEngine(
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_model_len=512,
+            max_num_seqs=batch,
+            kv_cache_memory_bytes=kv_cache_bytes or None,
+            enforce_eager=not compiled,
+            enable_prefix_caching=False,
+            steering=steering,
+        )
+    )
+
+
+def register_vectors(eng: SteerEngine) -> None:
+    """The random vectors ``_entries`` names, seeded: every run steers with the same ones."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for name in ("bench/a", "bench/b"):
+        eng.register_vector(name, torch.randn(eng.shape.hidden_size, generator=g))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -83,7 +122,6 @@ def main() -> None:
     import torch
     from vllm import SamplingParams
 
-    from steerserve.engine.api import EngineConfig, SteerEngine
     from steerserve.models import resolve_model
 
     model = str(resolve_model(args.model))
@@ -91,20 +129,10 @@ def main() -> None:
     # no prefix caching: every round must do the same work
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
 
-    def build(steering: bool) -> SteerEngine:
-        return SteerEngine(
-            EngineConfig(
-                model=model,
-                max_model_len=512,
-                max_num_seqs=args.batch,
-                kv_cache_memory_bytes=args.kv_cache_bytes or None,  # 0: let vLLM size it (GPU)
-                enforce_eager=not args.compile,
-                enable_prefix_caching=False,
-                steering=steering,
-            )
-        )
-
     res: dict[str, list[float]] = {"absent": [], "idle": [], "steered": []}
+
+    def build(steering: bool) -> SteerEngine:
+        return build_engine(model, args.batch, args.kv_cache_bytes, args.compile, steering)
 
     def run_absent() -> None:
         eng = build(False)
@@ -115,9 +143,7 @@ def main() -> None:
 
     def run_plugin() -> float:
         eng = build(True)
-        g = torch.Generator().manual_seed(0)
-        for name in ("bench/a", "bench/b"):
-            eng.register_vector(name, torch.randn(eng.shape.hidden_size, generator=g))
+        register_vectors(eng)
         steering = [_entries(eng)] * len(prompts)
         _tps(eng, prompts, None, sp)
         _tps(eng, prompts, steering, sp)

@@ -7,7 +7,7 @@ the same on a busy shared machine. Pieces, at the shape of one decode step of on
   (the skip); ``hooked layer, steered <op>`` — the hook with every row of the step steered by one
   entry of that operation (``engine/ops.py``: ``add`` runs ``steer_add``, the others
   ``steer_edit``); ``hooked layer, no skip`` — both kernels on an unsteered layer, what every
-  hooked layer pays where the skip is off (CUDA graphs, torch.compile);
+  hooked layer pays where the skip is off (CUDA graphs, torch.compile on a GPU);
 * ``op`` — each kernel alone; ``add`` — a plain ``hidden + delta``;
 * ``sync`` / ``prepare_step`` — the runner seam's bookkeeping and index fill, idle and steered.
 

@@ -1,6 +1,7 @@
 """torch.compile on (vLLM's compiled forward, not eager) and vLLM's default multi-process mode:
 steering, every operation included, must survive compilation and give the eager engine's
-tokens."""
+tokens. In one process: the compiled graph's gated ops skip idle layers' arithmetic (issue 48)
+with one graph for every batch mix, and a steered batch after an idle one is still steered."""
 
 from __future__ import annotations
 
@@ -55,5 +56,61 @@ def test_compiled_multiprocess_equals_eager(tiny_llama, eager_results, monkeypat
             assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < LOGPROB_ATOL
         assert any(s[0] != p[0] for s, p in zip(steered, plain, strict=True) if s), "no effect"
         check_against_reference(load_hf(tiny_llama), eng, prompts(N), STEERING)
+    finally:
+        eng.shutdown()
+
+
+ADD_ONLY = [
+    [{"vector": "alpha", "layer": i % 4, "scale": 2.0, "positions": "all"}] for i in range(N)
+]
+ABLATE_ONLY = [
+    [{"vector": "beta", "layer": i % 4, "scale": 1.0, "positions": "all", "op": "ablate"}]
+    for i in range(N)
+]
+
+
+@pytest.mark.slow
+def test_compiled_idle_skips_the_arithmetic_with_one_graph(tiny_llama, eager_results, monkeypatch):
+    """CPU, compiled, in this process (so the kernels and dynamo's counters are this module's):
+    an idle batch runs neither kernel's arithmetic; steered batches after it are steered and equal
+    eager; scale 0 is unsteered; no batch mix traces another graph."""
+    from torch._dynamo.utils import counters
+
+    import steerserve.engine.kernels as op
+
+    calls: list[str] = []
+    real_add, real_edit = op._steer_add, op._steer_edit
+    monkeypatch.setattr(op, "_steer_add", lambda *a: calls.append("add") or real_add(*a))
+    monkeypatch.setattr(op, "_steer_edit", lambda *a: calls.append("edit") or real_edit(*a))
+    eng = engine(tiny_llama, enforce_eager=False)
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 1, "the engine traced no graph: not compiled in this process"
+        eager_steered, eager_plain = eager_results
+        plain = [p[0] for p in eager_plain]
+        calls.clear()
+        assert [p[0] for p in run(eng, prompts(N), None)] == plain
+        assert calls == [], "an idle compiled step ran steering arithmetic"
+        steered = run(eng, prompts(N), STEERING)
+        assert {"add", "edit"} <= set(calls)
+        for got, want in zip(steered, eager_steered, strict=True):
+            assert got[0] == want[0]
+            assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < LOGPROB_ATOL
+        for i, entries in enumerate(STEERING):
+            if entries is None:  # an unsteered row of a steered batch is its solo self
+                assert steered[i][0] == run(eng, [prompts(N)[i]], None)[0][0]
+        calls.clear()
+        add_only = run(eng, prompts(N), ADD_ONLY)
+        assert set(calls) == {"add"}
+        calls.clear()
+        ablated = run(eng, prompts(N), ABLATE_ONLY)
+        assert set(calls) == {"edit"}
+        assert [a[0] for a in add_only] != plain and [a[0] for a in ablated] != plain
+        zero = [[{**e, "scale": 0.0} for e in entries] for entries in ADD_ONLY]
+        assert [z[0] for z in run(eng, prompts(N), zero)] == plain
+        calls.clear()
+        assert [p[0] for p in run(eng, prompts(N), None)] == plain
+        assert calls == []
+        assert counters["stats"]["unique_graphs"] == graphs, "a batch mix recompiled"
     finally:
         eng.shutdown()

@@ -199,6 +199,66 @@ def test_slots_release_and_an_idle_plugin_skips_both_kernels(monkeypatch):
     assert calls == []
 
 
+def _compiled(blocks: list[_Block]):  # noqa: ANN202
+    """The blocks as one traced function, as vLLM compiles a model (dynamic token count)."""
+
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        r = x
+        for b in blocks:
+            x, r = b(x, r)
+            x = x * 1.0 + r
+        return x
+
+    return stack, torch.compile(stack, backend="aot_eager", dynamic=True, fullgraph=True)
+
+
+def test_compiled_ops_skip_by_their_gates_in_one_graph(monkeypatch):
+    """Issue 48: traced, both ops stay in the graph; where ``skip_idle`` holds (CPU) their gates
+    skip the arithmetic on a layer no running request uses, step by step, with no recompile, and
+    the stream is the eager hook's; traced with it off (GPU graphs), both kernels always run."""
+    from torch._dynamo.utils import counters
+
+    import steerserve.engine.kernels as op
+
+    calls: list[str] = []
+    real_add, real_edit = op._steer_add, op._steer_edit
+    monkeypatch.setattr(op, "_steer_add", lambda *a: calls.append("add") or real_add(*a))
+    monkeypatch.setattr(op, "_steer_edit", lambda *a: calls.append("edit") or real_edit(*a))
+    torch._dynamo.reset()
+    st, blocks = _state(_vectors())
+    eager, compiled = _compiled(blocks)
+    steps = [
+        ({"u": None}, []),
+        ({"s": _spec(SteeringEntry("a", 0, 1.5, "all"))}, ["add"]),
+        ({"u": None, "t": _spec(SteeringEntry("b", 1, 1.0, "all", "ablate"))}, ["edit"]),
+        ({"u": None}, []),  # the ablating request left: no stale gate
+    ]
+    g = torch.Generator().manual_seed(1)
+    graphs = counters["stats"]["unique_graphs"]  # process-wide: count this test's only
+    for extra, want in steps:
+        _step(st, extra)
+        x = torch.randn(4 * len(extra), H, generator=g)
+        calls.clear()
+        got = compiled(x)
+        assert calls == want, (list(extra), calls)
+        torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
+        assert torch.equal(got, _compiled_ref(x)) == (not want)
+    assert counters["stats"]["unique_graphs"] - graphs == 1, "a step traced another graph"
+    st.skip_idle = False  # read when traced: a fresh trace always runs both ops
+    torch._dynamo.reset()
+    calls.clear()
+    _compiled(blocks)[1](torch.randn(4, H, generator=g))
+    assert calls == ["edit", "add"] * 3
+
+
+def _compiled_ref(x: torch.Tensor) -> torch.Tensor:
+    """The stack's stream with no steering (what ``_compiled``'s blocks compute unhooked)."""
+    r = x
+    for _ in range(3):
+        x = x * 1.0 + r
+    return x
+
+
 def test_ops_per_layer_zero_keeps_the_edit_kernel_out():
     st, blocks = _state(_vectors(), ops_per_layer=0)
     st.skip_idle = False  # as on a GPU with graphs: every kernel that exists runs

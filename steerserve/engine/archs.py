@@ -75,7 +75,8 @@ class SteeringMixin:
             max_num_tokens=int(sched.max_num_batched_tokens) + int(sched.max_num_seqs),
             rows_per_request=int(opts.get("rows_per_request", DEFAULT_ROWS_PER_REQUEST)),
             device=device,
-            # CPU has no graphs; on GPU only eager mode is safe (graphs capture a skip).
+            # CPU has no graphs (eager hooks skip, compiled ops are gated); on GPU only eager mode
+            # is safe (graphs would capture a skip).
             skip_idle=device.type == "cpu" or bool(vllm_config.model_config.enforce_eager),
             ops_per_layer=int(opts.get("ops_per_layer", DEFAULT_OPS_PER_LAYER)),
         )

@@ -105,12 +105,13 @@ class SteeringState:
         self._slot_ops = np.zeros((num_layers, k, max_num_seqs + 1, 3), np.int32)
         self._op_users = np.zeros(num_layers, np.int64)
         # per layer and slot, the op slots its request fills; per layer, the most any live one
-        # does (eager forwards run only those: a skip that, like the idle one, graphs never see)
+        # does (eager forwards and gated ops run only those; a captured graph runs all K)
         self._slot_depth = np.zeros((num_layers, max_num_seqs + 1), np.int64)
         self._op_depth = np.zeros(num_layers, np.int64)
         self._slot_op_layers: dict[int, list[int]] = {}  # only slots whose request has ops
-        # Eager forwards skip the op on a layer no running request steers (x + 0 is x); off
-        # where a CUDA graph might be captured outside torch.compile (it would bake the skip in).
+        # Eager forwards skip the op on a layer no running request steers (x + 0 is x), and
+        # compiled ones pass the ops these counters as gates; off where a CUDA graph might be
+        # captured (it would bake the skip in).
         self.skip_idle = skip_idle
 
     # ---- model wiring -------------------------------------------------------------------------
@@ -120,15 +121,31 @@ class SteeringState:
 
         users, depth, compiling = self._layer_users, self._op_depth, torch.compiler.is_compiling
         edits = self.ops_per_layer > 0  # static: 0 keeps steer_edit out of the graph
+        # the counters as host tensors sharing their memory: the ops' gates (kernels.py), on a
+        # CPU only (a GPU's compiled graph is captured: its ops always run, as before)
+        users_t, depth_t = torch.from_numpy(users), torch.from_numpy(depth)
+        gates = self._shared
 
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> tuple:
             hidden, residual = output  # vLLM keeps the stream split: add to hidden only
             if compiling():  # traced, the ops always stay in the graph: a branch would be baked in
+                # skip_idle is read once, at trace time: gated ops only where no graph is captured
+                gated = gates and self.skip_idle
                 if edits:
                     hidden, residual = op.steer_edit(
-                        hidden, residual, module.steer_op_index, module.steer_op_rows
+                        hidden,
+                        residual,
+                        module.steer_op_index,
+                        module.steer_op_rows,
+                        module.steer_depth if gated else None,
                     )
-                return op.steer_add(hidden, module.steer_index, module.steer_pool), residual
+                hidden = op.steer_add(
+                    hidden,
+                    module.steer_index,
+                    module.steer_pool,
+                    module.steer_users if gated else None,
+                )
+                return hidden, residual
             i, every = module.steer_layer, not self.skip_idle
             if not (every or users[i] or depth[i]):
                 return output  # idle layer: what the stock layer returned, no op, no copy
@@ -147,6 +164,9 @@ class SteeringState:
             layer.register_buffer("steer_pool", self.pool, persistent=False)
             layer.register_buffer("steer_op_index", self.op_index[i], persistent=False)
             layer.register_buffer("steer_op_rows", self.op_rows, persistent=False)
+            if gates:
+                layer.register_buffer("steer_users", users_t[i : i + 1], persistent=False)
+                layer.register_buffer("steer_depth", depth_t[i : i + 1], persistent=False)
             layer.register_forward_hook(hook)
             self.hooked_layers.append(i)
 

@@ -1,13 +1,19 @@
 """The steering ops: ``torch.ops.steerserve.steer_add`` and ``torch.ops.steerserve.steer_edit``.
 
 Registered custom ops (with fake implementations) so torch.compile keeps them as opaque calls
-instead of tracing a Python hook away, and CUDA graphs capture them: they read only persistent
-buffers, never sync with the host and never branch on tensor values; their shapes depend only
-on the step's token count and the engine's static sizes.
+instead of tracing a Python hook away, and CUDA graphs capture them: ungated, they read only
+persistent buffers, never sync with the host and never branch on tensor values; their shapes
+depend only on the step's token count and the engine's static sizes.
 
 ``steer_add`` is the additive fast path (``add`` entries, summed into a delta pool row);
 ``steer_edit`` is every other operation of ``engine/ops.py``, each an affine map of the stream.
 On a layer the hook runs ``steer_edit`` first, then ``steer_add`` (the order ``ops.py`` states).
+
+Both take an optional ``gate``: a one-element host tensor the worker keeps current (running
+requests steering the layer; for the edit, the op slots they fill). Where there are no graphs to
+capture the call (CPU), the op's Python body runs on every call, even from a compiled graph, so a
+gate of 0 skips the arithmetic there; with CUDA graphs a host branch would be baked into the
+capture, so the hook passes none and the ops always run (``SteeringState.skip_idle`` decides).
 """
 
 from __future__ import annotations
@@ -29,7 +35,25 @@ def _steer_add(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) ->
     return hidden + pool.index_select(0, rows).to(hidden.dtype)
 
 
-def _steer_add_fake(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+def _steer_add_op(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    pool: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The op's body: ``_steer_add``, or a copy where ``gate`` says no request steers the layer
+    (a fresh tensor: the schema promises no alias, and inductor may reuse ``hidden``'s buffer)."""
+    if gate is not None and not gate.item():
+        return hidden.clone()
+    return _steer_add(hidden, index, pool)
+
+
+def _steer_add_fake(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    pool: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
     return torch.empty_like(hidden)
 
 
@@ -56,13 +80,38 @@ def _steer_edit(
     return torch.where(edited, h.to(hidden.dtype), hidden), torch.where(edited, 0.0, residual)
 
 
+def _steer_edit_op(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's body: ``_steer_edit`` over the first ``gate`` slots (the most any running request
+    fills on the layer; the rest are row 0, the identity), copies of both halves where 0."""
+    if gate is None:
+        return _steer_edit(hidden, residual, index, rows)
+    depth = int(gate.item())
+    if not depth:
+        return hidden.clone(), residual.clone()
+    return _steer_edit(hidden, residual, index[:depth], rows)
+
+
 def _steer_edit_fake(
-    hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(hidden), torch.empty_like(residual)
 
 
-_OPS = {"steer_add": (_steer_add, _steer_add_fake), "steer_edit": (_steer_edit, _steer_edit_fake)}
+# The registered bodies look ``_steer_add``/``_steer_edit`` up at call time (tests count calls).
+_OPS = {
+    "steer_add": (_steer_add_op, _steer_add_fake),
+    "steer_edit": (_steer_edit_op, _steer_edit_fake),
+}
 
 
 def _register() -> str:
@@ -97,11 +146,20 @@ def _register_with_torch() -> None:
 REGISTERED_WITH = _register()
 
 
-def steer_add(hidden: torch.Tensor, index: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    return torch.ops.steerserve.steer_add(hidden, index, pool)
+def steer_add(
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    pool: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return torch.ops.steerserve.steer_add(hidden, index, pool, gate)
 
 
 def steer_edit(
-    hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    index: torch.Tensor,
+    rows: torch.Tensor,
+    gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.steerserve.steer_edit(hidden, residual, index, rows)
+    return torch.ops.steerserve.steer_edit(hidden, residual, index, rows, gate)

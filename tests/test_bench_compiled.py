@@ -1,0 +1,36 @@
+"""``bench/compiled.py --dry-run`` (issue 48) on the tiny model: both engines compile, every arm
+runs, and the JSON carries each ratio's median and interval at every concurrency. Not timed: the
+numbers of a dry run mean nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_dry_run_writes_ratios_with_intervals(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "compiled.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "compiled.py"), "--dry-run"]
+    cmd += ["--model", str(tiny_llama), "--dtype", "float32", "--out", str(out)]
+    cmd += ["--kv-cache-bytes", str(64 << 20)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    assert (res["rounds"], res["tokens"], res["dry_run"]) == (1, 4, True)
+    keys = [f"c{c}" for c in res["concurrency"]]
+    assert keys == ["c1", "c16"]
+    for arm in ("stock", "idle", "add", "ablate"):
+        assert all(len(res["tokens_per_s"][arm][k]) == 1 for k in keys), arm
+    assert set(res["ratios"]) == {"idle/stock", "add/idle", "ablate/idle"}
+    for by_c in res["ratios"].values():
+        for k in keys:
+            r = by_c[k]
+            lo, hi = r["ci95"]
+            assert r["median"] > 0 and lo <= r["median"] <= hi and len(r["per_round"]) == 1
