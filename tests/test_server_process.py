@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -283,6 +283,20 @@ class Worker:
                 if p.is_running():
                     p.send_signal(signal.SIGCONT)
 
+    def step_until(self, done: Callable[[], bool], what: str, limit: float = 120) -> None:
+        """Let the frozen worker run in 10 ms pulses until ``done()``, frozen between pulses
+        while the front end forwards what it produced. Let go freely instead, the worker ran on
+        for as long as this thread waited to be scheduled: on a loaded machine (the CI suite
+        beside a second server) long enough for a 1,000-token request to end before the freeze.
+        Pulsed, a descheduled test thread leaves the engine frozen, not running."""
+        deadline = time.monotonic() + limit
+        while not done():
+            assert time.monotonic() < deadline, what
+            self.thaw()
+            time.sleep(0.01)
+            self.freeze()
+            time.sleep(0.05)
+
 
 #: Tokens of the requests the drop tests hold in flight (on :func:`long_llama`): they need not
 #: finish, and the longer they are, the more engine steps they are from their end when the
@@ -311,9 +325,10 @@ def under_way(
     """4 streamed and 4 collected requests of ``tokens`` in flight, every stream under way (its
     first token sent), the worker frozen: by construction, not by speed. The worker is frozen
     while they are admitted and handed to the engine (none can end first, so all 8 get there),
-    let go until every stream has its first token (all 8 are then in the engine's batch, not in
-    its input queue, where a signal would have it refuse them), and frozen again a step or two
-    later, ``tokens`` - 1 steps before any could end. Yields the worker (thawed on leaving), the
+    let go in short pulses until every stream has its first token (all 8 are then in the
+    engine's batch, not in its input queue, where a signal would have it refuse them), and left
+    frozen a few steps later, ``tokens`` - a few steps before any could end, however long this
+    thread waits to be scheduled (:meth:`Worker.step_until`). Yields the worker (thawed on leaving), the
     streams' and the collected requests' futures."""
     # A fresh engine asks its worker which tasks it supports at its first request: not frozen.
     assert _collected(c, 1).status_code == 200
@@ -322,10 +337,7 @@ def under_way(
     try:
         started, streams, collected = _submit(c, pool, tokens)
         _in_flight(c, 8, streams + collected)
-        worker.thaw()
-        for e in started:
-            assert e.wait(120), "a stream never started"
-        worker.freeze()
+        worker.step_until(lambda: all(e.is_set() for e in started), "a stream never started")
         _none_ended(streams + collected)
         yield worker, streams, collected
     finally:
