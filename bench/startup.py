@@ -1,0 +1,151 @@
+"""Start-up (issue 48): warm time to ready and resident memory, stock vLLM vs ``steerserve serve``.
+
+Both arms serve one checkpoint with the same engine flags (dtype, max_model_len, max_num_seqs,
+KV cache bytes, eager, every core bound), one at a time, their order alternating every round:
+
+* ``stock``      — ``vllm serve``'s OpenAI server (``VLLM_PLUGINS=none``); ready = first 200 on
+  ``/health`` (vLLM binds its port only after the engine has loaded);
+* ``steerserve`` — ``steerserve serve MODEL`` as a user runs it: its shipped vectors for that model
+  (fingerprints checked), steering ``auto``; ready = first 200 on ``/ready`` (its ``/health`` answers
+  while the engine loads).
+
+Warm: the embedded model is converted once before the first round (that cost is the first
+start's, not measured here). Time is from ``Popen`` to ready; memory is each process's RSS once
+ready, by role: ``front end`` (the server process), ``EngineCore``, ``worker`` (every other
+process of the tree: the worker EngineCore starts, the resource tracker), and their total. Ratios steerserve/stock per round,
+their median and seeded 95 % bootstrap interval (latency.py's).
+
+    python bench/startup.py --model default --rounds 3 --out out/startup.json
+    python bench/startup.py --dry-run      # the tiny model, 1 round: does it run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from latency import Proc, _free_port, cpu_info, model_dir, ratio, ratio_ci  # noqa: E402
+
+ARMS = ("stock", "steerserve")
+ROLES = ("front end", "EngineCore", "worker")
+
+
+def _role(p, top_pid: int) -> str:  # noqa: ANN001 (psutil.Process)
+    """A process's role in the server's tree, read from its title (vLLM sets them)."""
+    if p.pid == top_pid:
+        return "front end"
+    try:
+        title = " ".join([p.name(), *p.cmdline()])
+    except Exception:  # noqa: BLE001 (gone meanwhile)
+        return "worker"
+    return "EngineCore" if "EngineCore" in title else "worker"
+
+
+def rss_by_role(proc: Proc) -> dict[str, float]:
+    """MiB resident per role, summed over the processes of that role."""
+    out = dict.fromkeys(ROLES, 0.0)
+    for p in proc.tree():
+        try:
+            out[_role(p, proc.proc.pid)] += p.memory_info().rss / 2**20
+        except Exception:  # noqa: BLE001,S112 (a process that ended meanwhile holds nothing)
+            continue
+    return out
+
+
+def command(arm: str, model: str, ckpt: Path, dtype: str, a: argparse.Namespace) -> list[str]:
+    """The arm's command line: the same engine flags for both."""
+    flags = ["--dtype", dtype, "--max-model-len", str(a.max_model_len)]
+    flags += ["--max-num-seqs", str(a.max_num_seqs), "--kv-cache-memory-bytes", str(a.kv_bytes)]
+    flags += ["--enforce-eager", "--served-model-name", "bench", "--port", str(_free_port())]
+    if arm == "stock":
+        stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt)]
+        return [*stock, *flags, "--seed", "0"]
+    return [sys.executable, "-m", "steerserve", "serve", model, *flags]
+
+
+def one_start(arm: str, model: str, ckpt: Path, dtype: str, a, logs: Path) -> dict:  # noqa: ANN001
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    if arm == "stock":
+        env["VLLM_PLUGINS"] = "none"
+    t0 = time.perf_counter()
+    p = Proc(arm, command(arm, model, ckpt, dtype, a), env, logs / f"{arm}-{time.time_ns()}.log")
+    try:
+        p.wait_ready("/health" if arm == "stock" else "/ready")
+        ready = time.perf_counter() - t0
+        time.sleep(1)  # let the last allocations of the start settle
+        rss = rss_by_role(p)
+        return {"ready_s": ready, "rss_mib": rss | {"total": sum(rss.values())}}
+    finally:
+        p.stop()
+
+
+def _ratio(series: dict, key: str) -> dict | None:
+    """steerserve/stock per round: median and interval (None where stock has no such process)."""
+    if not all(series["stock"][key]):
+        return None
+    lo, hi = ratio_ci(series, "steerserve", "stock", key)
+    return {"median": ratio(series, "steerserve", "stock", key), "ci95": [lo, hi]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="embedded model name, folder, or tiny")
+    ap.add_argument("--dtype", default="auto", help="auto: steerserve's choice, given to both")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-bytes", type=int, default=1 << 30)
+    ap.add_argument("--out", type=Path, default=Path("out/startup.json"))
+    ap.add_argument("--dry-run", action="store_true", help="the tiny model, 1 round")
+    a = ap.parse_args()
+    if a.dry_run:
+        a.model, a.rounds, a.kv_bytes, a.max_model_len = "tiny", 1, 64 << 20, 1024
+    ckpt = model_dir(a.model)  # converts an embedded model once: the warm starts follow
+    model = str(ckpt) if a.model == "tiny" else a.model
+    if a.dtype == "auto":
+        from steerserve.engine.cpu import serve_dtype
+
+        a.dtype = serve_dtype("auto", False)
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    logs = a.out.parent / f"{a.out.stem}-logs"  # kept: a start that fails says why there
+    logs.mkdir(parents=True, exist_ok=True)
+    for r in range(a.rounds):
+        for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+            runs[arm].append(one_start(arm, model, ckpt, a.dtype, a, logs))
+            print(json.dumps({"round": r, "arm": arm, **runs[arm][-1]}), flush=True)
+    keys = ("ready", *ROLES, "total")
+    series = {arm: {"ready": [x["ready_s"] for x in runs[arm]]} for arm in ARMS}
+    for key in keys[1:]:
+        for arm in ARMS:
+            series[arm][key] = [x["rss_mib"][key] for x in runs[arm]]
+    ratios = {key: _ratio(series, key) for key in keys}
+    summary = {
+        "model": ckpt.name,
+        "dtype": a.dtype,
+        "device": cpu_info(),
+        "rounds": a.rounds,
+        "runs": runs,
+        "ratios": ratios,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(summary, indent=2))
+    print("\n| | stock (median) | steerserve (median) | steerserve/stock (median, 95 % CI) |")
+    print("|---|---|---|---|")
+    for key in keys:
+        unit = "s" if key == "ready" else "MiB"
+        med = {arm: statistics.median(series[arm][key]) for arm in ARMS}
+        v = ratios[key]
+        cell = f"{v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]" if v else "-"
+        print(f"| {key} {unit} | {med['stock']:.1f} | {med['steerserve']:.1f} | {cell} |")
+    print(f"\nwritten: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
