@@ -72,6 +72,7 @@ def command(arm: str, model: str, ckpt: Path, dtype: str, a: argparse.Namespace)
 def one_start(arm: str, model: str, ckpt: Path, dtype: str, a, logs: Path) -> dict:  # noqa: ANN001
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default, as served (tests turn it off)
     if arm == "stock":
         env["VLLM_PLUGINS"] = "none"
     t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def _ratio(series: dict, key: str) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="embedded model name, folder, or tiny")
+    ap.add_argument("--model", default=None, help="embedded model name, folder, or tiny")
     ap.add_argument("--dtype", default="auto", help="auto: steerserve's choice, given to both")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -105,10 +106,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("out/startup.json"))
     ap.add_argument("--dry-run", action="store_true", help="the tiny model, 1 round")
     a = ap.parse_args()
-    if a.dry_run:
-        a.model, a.rounds, a.kv_bytes, a.max_model_len = "tiny", 1, 64 << 20, 1024
+    if a.dry_run:  # the tiny model unless told: a context of 1,024
+        a.rounds, a.kv_bytes, a.max_model_len = 1, 64 << 20, 1024
+    a.model = a.model or ("tiny" if a.dry_run else "default")
     ckpt = model_dir(a.model)  # converts an embedded model once: the warm starts follow
-    model = str(ckpt) if a.model == "tiny" else a.model
+    model = str(ckpt) if a.model == "tiny" else a.model  # steerserve serves names as given
     if a.dtype == "auto":
         from steerserve.engine.cpu import serve_dtype
 

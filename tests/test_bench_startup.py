@@ -1,0 +1,36 @@
+"""``bench/startup.py --dry-run`` (issue 48) on the tiny model: stock vLLM and ``steerserve serve``
+each start on the same checkpoint, and the JSON carries each arm's time to ready, its memory by
+process role and the ratios with intervals. Not timed: a dry run's numbers mean nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_dry_run_starts_both_and_writes_ratios(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "startup.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "startup.py"), "--dry-run"]
+    cmd += ["--model", str(tiny_llama), "--dtype", "float32", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    assert (res["rounds"], res["dtype"], res["model"]) == (1, "float32", tiny_llama.name)
+    for arm in ("stock", "steerserve"):
+        (run,) = res["runs"][arm]
+        assert run["ready_s"] > 0
+        rss = run["rss_mib"]
+        # three processes each, as served: the server, its EngineCore, the worker
+        assert all(rss[role] > 50 for role in ("front end", "EngineCore", "worker")), rss
+        assert rss["total"] == pytest.approx(sum(v for k, v in rss.items() if k != "total"))
+    for key in ("ready", "front end", "EngineCore", "worker", "total"):
+        r = res["ratios"][key]
+        lo, hi = r["ci95"]
+        assert r["median"] > 0 and lo <= r["median"] <= hi
