@@ -60,7 +60,7 @@ def oai(server: Any) -> Any:
 #: starts an engine is heavy without anyone remembering to mark it.
 HEAVY = re.compile(
     r"create_app\(|SteerEngine\(|\bengine\(|serving\(|Serve\(|Server\(|subprocess\.|AsyncLLM"
-    r"|\bLLM\(|simple_evaluate|chromium|tiny_server\(|tiny_http\("
+    r"|\bLLM\(|simple_evaluate|chromium|tiny_server\(|tiny_http\(|dry_run\("
 )
 
 

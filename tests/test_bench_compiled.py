@@ -4,25 +4,16 @@ numbers of a dry run mean nothing."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from _bench import dry_run
 
 
 @pytest.mark.slow
 def test_dry_run_writes_ratios_with_intervals(tiny_llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "compiled.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "compiled.py"), "--dry-run"]
-    cmd += ["--model", str(tiny_llama), "--dtype", "float32", "--out", str(out)]
-    cmd += ["--kv-cache-bytes", str(64 << 20)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(out.read_text())
+    res = dry_run("compiled.py", tiny_llama, out, "--kv-cache-bytes", str(64 << 20))
     assert (res["rounds"], res["tokens"], res["dry_run"]) == (1, 4, True)
     keys = [f"c{c}" for c in res["concurrency"]]
     assert keys == ["c1", "c16"]

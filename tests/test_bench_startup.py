@@ -4,24 +4,15 @@ process role and the ratios with intervals. Not timed: a dry run's numbers mean 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from _bench import dry_run
 
 
 @pytest.mark.slow
 def test_dry_run_starts_both_and_writes_ratios(tiny_llama: Path, tmp_path: Path) -> None:
-    out = tmp_path / "startup.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "startup.py"), "--dry-run"]
-    cmd += ["--model", str(tiny_llama), "--dtype", "float32", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(out.read_text())
+    res = dry_run("startup.py", tiny_llama, tmp_path / "startup.json")
     assert (res["rounds"], res["dtype"], res["model"]) == (1, "float32", tiny_llama.name)
     for arm in ("stock", "steerserve"):
         (run,) = res["runs"][arm]
