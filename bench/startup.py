@@ -34,6 +34,7 @@ from latency import Proc, _free_port, cpu_info, model_dir, ratio, ratio_ci  # no
 
 ARMS = ("stock", "steerserve")
 ROLES = ("front end", "EngineCore", "worker")
+SPLIT = {"front end anon": "anon", "front end file": "file"}  # the front end's RSS, by kind
 
 
 def _role(p, top_pid: int) -> str:  # noqa: ANN001 (psutil.Process)
@@ -56,6 +57,30 @@ def rss_by_role(proc: Proc) -> dict[str, float]:
         except Exception:  # noqa: BLE001,S112 (a process that ended meanwhile holds nothing)
             continue
     return out
+
+
+def front_end_split(pid: int, top: int = 12) -> dict:
+    """Where the front end's resident memory is (issue 48: what steerserve adds beyond stock):
+    ``anon`` (the heap: objects it holds), ``file`` (mapped libraries and files, vLLM's
+    shared-memory queues among them: what it loads as native code), and its ``top`` mappings."""
+    sizes: dict[str, int] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and not head[0].endswith(":"):  # a mapping's header: address perms ... [path]
+            name = head[5] if len(head) > 5 else "[anon]"
+        elif head and head[0] == "Rss:":
+            sizes[name] = sizes.get(name, 0) + int(head[1])
+    roll = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        k, v = line.split(":", 1)
+        roll[k] = int(v.split()[0])
+    mib = lambda kib: round(kib / 1024, 1)  # noqa: E731
+    return {
+        "anon": mib(roll.get("Anonymous", 0)),
+        "file": mib(roll.get("Rss", 0) - roll.get("Anonymous", 0)),
+        "maps": {k: mib(v) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:top]},
+    }
 
 
 def command(arm: str, model: str, ckpt: Path, dtype: str, a: argparse.Namespace) -> list[str]:
@@ -82,7 +107,8 @@ def one_start(arm: str, model: str, ckpt: Path, dtype: str, a, logs: Path) -> di
         ready = time.perf_counter() - t0
         time.sleep(1)  # let the last allocations of the start settle
         rss = rss_by_role(p)
-        return {"ready_s": ready, "rss_mib": rss | {"total": sum(rss.values())}}
+        split = front_end_split(p.proc.pid)
+        return {"ready_s": ready, "rss_mib": rss | {"total": sum(rss.values())}, "front_end": split}
     finally:
         p.stop()
 
@@ -122,11 +148,13 @@ def main() -> None:
         for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
             runs[arm].append(one_start(arm, model, ckpt, a.dtype, a, logs))
             print(json.dumps({"round": r, "arm": arm, **runs[arm][-1]}), flush=True)
-    keys = ("ready", *ROLES, "total")
+    keys = ("ready", *ROLES, "total", *SPLIT)
     series = {arm: {"ready": [x["ready_s"] for x in runs[arm]]} for arm in ARMS}
     for key in keys[1:]:
         for arm in ARMS:
-            series[arm][key] = [x["rss_mib"][key] for x in runs[arm]]
+            series[arm][key] = [
+                x["front_end"][SPLIT[key]] if key in SPLIT else x["rss_mib"][key] for x in runs[arm]
+            ]
     ratios = {key: _ratio(series, key) for key in keys}
     summary = {
         "model": ckpt.name,

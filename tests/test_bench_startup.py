@@ -21,7 +21,12 @@ def test_dry_run_starts_both_and_writes_ratios(tiny_llama: Path, tmp_path: Path)
         # three processes each, as served: the server, its EngineCore, the worker
         assert all(rss[role] > 50 for role in ("front end", "EngineCore", "worker")), rss
         assert rss["total"] == pytest.approx(sum(v for k, v in rss.items() if k != "total"))
-    for key in ("ready", "front end", "EngineCore", "worker", "total"):
+        # the front end's memory by kind, read from /proc: heap and mapped files, with the maps
+        split = run["front_end"]
+        assert split["anon"] > 20 and split["file"] > 20, split
+        assert sum(split["maps"].values()) <= split["anon"] + split["file"] + 1, split
+    keys = ("front end", "EngineCore", "worker", "total", "front end anon", "front end file")
+    for key in ("ready", *keys):
         r = res["ratios"][key]
         lo, hi = r["ci95"]
         assert r["median"] > 0 and lo <= r["median"] <= hi
