@@ -11,10 +11,12 @@ KV cache bytes, eager, every core bound), one at a time, their order alternating
 
 Warm: the embedded model is converted once before the first round (that cost is the first
 start's, not measured here), and each arm starts once uncounted (``--warmup``), so the first
-counted start does not read the checkpoint from disk while the others read the page cache. Time is from ``Popen`` to ready; memory is each process's RSS once
-ready, by role: ``front end`` (the server process), ``EngineCore``, ``worker`` (every other
-process of the tree: the worker EngineCore starts, the resource tracker), and their total. Ratios steerserve/stock per round,
-their median and seeded 95 % bootstrap interval (latency.py's).
+counted start does not read the checkpoint from disk while the others read the page cache.
+Time is from ``Popen`` to ready; memory is each process's RSS once ready, by role: ``front end``
+(the server process), ``EngineCore``, ``worker`` (every other process of the tree: the worker
+EngineCore starts, the resource tracker), and their total; the front end's also split into heap
+and mapped files (:func:`front_end_split`). Ratios steerserve/stock per round, their median and
+seeded 95 % bootstrap interval (latency.py's).
 
     python bench/startup.py --model default --rounds 3 --out out/startup.json
     python bench/startup.py --dry-run      # the tiny model, 1 round: does it run
@@ -150,7 +152,10 @@ def main() -> None:
     logs = a.out.parent / f"{a.out.stem}-logs"  # kept: a start that fails says why there
     logs.mkdir(parents=True, exist_ok=True)
     for arm in ARMS if a.warmup else ():  # not counted: then the page cache holds the checkpoint
-        print(json.dumps({"warm-up": arm, **one_start(arm, model, ckpt, a.dtype, a, logs)}))
+        print(
+            json.dumps({"warm-up": arm, **one_start(arm, model, ckpt, a.dtype, a, logs)}),
+            flush=True,
+        )
     for r in range(a.rounds):
         for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
             runs[arm].append(one_start(arm, model, ckpt, a.dtype, a, logs))

@@ -190,7 +190,7 @@ class ServerState:
                     f"under {self.settings.vectors_dir!r}, so the steered arm would not be steered"
                 )
             # The language detector (auto's and the A/B log's) loads its models, ~2 s and
-            # ~0.2 GB, while the engine loads (the front end idles meanwhile), not after it.
+            # ~0.3 GB, while the engine loads (the front end idles meanwhile), not after it.
             warming = None
             if any(s.artifact for s in found):
                 warming = asyncio.ensure_future(asyncio.to_thread(self.detector.warm))
