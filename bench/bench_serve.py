@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import cpu_info, ratio_ci, start_server  # noqa: E402 (the same servers, settings)
+from latency import _ratios, cpu_info, ratio_ci, start_server  # noqa: E402 (same servers)
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 
@@ -80,10 +80,7 @@ def main() -> None:
                   range(a.rounds)] for k in METRICS[:3]}
         for arm in ("server", "stock")
     }  # fmt: skip
-    ratios = {
-        k: [x / y for x, y in zip(series["server"][k], series["stock"][k], strict=True)]
-        for k in METRICS[:3]
-    }
+    ratios = {k: _ratios(series, "server", "stock", k) for k in METRICS[:3]}
     summary = {
         "model": model.name,
         "device": cpu_info(),

@@ -214,8 +214,8 @@ class ServerState:
                 logger.warning("no steering artifact for this model: default policy is off")
                 self.policy.default = "off"
             self._add_presets()
-            if self.policy.default_artifact is not None:
-                await (warming or asyncio.to_thread(self.detector.warm))
+            if warming is not None:  # an artifact was found, so one is the default now
+                await warming
             self.loaded = True
             self.metrics.ready.set(1)
             logger.info(
