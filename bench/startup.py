@@ -67,21 +67,19 @@ def front_end_split(pid: int, top: int = 12) -> dict:
     ``anon`` (the heap: objects it holds), ``file`` (mapped libraries and files, vLLM's
     shared-memory queues among them: what it loads as native code), and its ``top`` mappings."""
     sizes: dict[str, int] = {}
-    name = "[anon]"
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+    name, anon = "[anon]", 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():  # one read: one snapshot
         head = line.split()
         if head and not head[0].endswith(":"):  # a mapping's header: address perms ... [path]
             name = head[5] if len(head) > 5 else "[anon]"
         elif head and head[0] == "Rss:":
             sizes[name] = sizes.get(name, 0) + int(head[1])
-    roll = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        k, v = line.split(":", 1)
-        roll[k] = int(v.split()[0])
+        elif head and head[0] == "Anonymous:":
+            anon += int(head[1])
     mib = lambda kib: round(kib / 1024, 1)  # noqa: E731
     return {
-        "anon": mib(roll.get("Anonymous", 0)),
-        "file": mib(roll.get("Rss", 0) - roll.get("Anonymous", 0)),
+        "anon": mib(anon),
+        "file": mib(sum(sizes.values()) - anon),
         "maps": {k: mib(v) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:top]},
     }
 
