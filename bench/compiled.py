@@ -3,7 +3,8 @@
 Compiled, every hooked layer's ops stay in the graph: with CUDA graphs they run on every step, on
 a CPU their gates skip the arithmetic of idle layers (kernels.py); this measures what that costs. Per round, one engine at a time and their order alternating: the stock
 engine (no ``Steered<Arch>``) and the plugin's engine, each warmed, then burst tokens/s of
-``--concurrency`` greedy requests submitted at once (``ignore_eos``, ``--tokens`` each). The
+``--concurrency`` greedy requests submitted at once (``ignore_eos``, ``--tokens`` each; the median
+of ``--repeats`` ABBA passes per engine). The
 plugin's engine runs three arms, rotated every round: ``idle`` (nothing steered), ``add`` (every
 request steered with overhead.py's two ``add`` entries) and ``ablate`` (the same entries with
 ``op: ablate``). Ratios are per round (paired: same round, same load), summarised by their median
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,8 +53,10 @@ def steering_of(arm: str, eng: SteerEngine, n: int) -> list[list[dict]] | None:
 def measure(
     eng: SteerEngine, arms: list[str], a: argparse.Namespace
 ) -> dict[str, dict[str, float]]:
-    """Burst tokens/s of each arm at each concurrency on one engine, after one warm-up each
-    (first-use costs: compile of a new size, the steered path's first rows)."""
+    """Burst tokens/s of each arm at each concurrency on one engine: one warm-up each (first-use
+    costs: compile of a new size, the steered path's first rows), then ``--repeats`` passes over
+    the arms, every other one reversed (ABBA: a drift inside the engine's life hits every arm
+    alike); an arm's value is the median of its passes."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
@@ -61,8 +65,13 @@ def measure(
         prompts = _prompts(c)
         for arm in arms:
             _tps(eng, prompts, steering_of(arm, eng, c), sp)
+        runs: dict[str, list[float]] = {arm: [] for arm in arms}
+        for i in range(a.repeats):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                runs[arm].append(_tps(eng, prompts, steering_of(arm, eng, c), sp))
+        print(json.dumps({"concurrency": c, "tokens_per_s": runs}), flush=True)
         for arm in arms:
-            out[arm][f"c{c}"] = _tps(eng, prompts, steering_of(arm, eng, c), sp)
+            out[arm][f"c{c}"] = statistics.median(runs[arm])
     return out
 
 
@@ -103,16 +112,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes over the arms per engine")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="0: vLLM sizes it (GPU)")
     ap.add_argument("--out", type=Path, default=Path("out/compiled.json"))
     ap.add_argument("--dry-run", action="store_true", help="1 round of 4 tokens: does it run")
     a = ap.parse_args()
     if a.dry_run:
-        a.rounds, a.tokens = 1, 4
+        a.rounds, a.tokens, a.repeats = 1, 4, 1
     # vLLM's default multi-process mode, as served (tests set single-process for their engines)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     import torch
+
+    from steerserve.engine.cpu import bind_all_cores
+
+    # as `steerserve serve` runs a CPU worker: its threads on every core (vLLM's `auto` keeps one
+    # for the front end); both engines alike, GPUs untouched
+    bound = bind_all_cores(os.environ, torch.cuda.is_available(), 1)
 
     model = str(model_dir(a.model))
     tps: dict[str, dict[str, list[float]]] = {
@@ -131,6 +147,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_info(),
         "rounds": a.rounds,
         "tokens": a.tokens,
+        "repeats": a.repeats,
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bound),
         "concurrency": a.concurrency,
         "dry_run": a.dry_run,
         "tokens_per_s": tps,
