@@ -128,7 +128,7 @@ def main() -> None:
 
     # as `steerserve serve` runs a CPU worker: its threads on every core (vLLM's `auto` keeps one
     # for the front end); both engines alike, GPUs untouched
-    bound = bind_all_cores(os.environ, torch.cuda.is_available(), 1)
+    bind_all_cores(os.environ, torch.cuda.is_available(), 1)
 
     model = str(model_dir(a.model))
     tps: dict[str, dict[str, list[float]]] = {
@@ -148,7 +148,7 @@ def main() -> None:
         "rounds": a.rounds,
         "tokens": a.tokens,
         "repeats": a.repeats,
-        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bound),
+        "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "concurrency": a.concurrency,
         "dry_run": a.dry_run,
         "tokens_per_s": tps,
