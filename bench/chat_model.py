@@ -42,6 +42,8 @@ sys.path.insert(0, str(BENCH))
 
 from overhead import _prompts, _tps  # noqa: E402
 
+from steerserve.engine.cpu import bind_all_cores  # noqa: E402
+
 CHAT = [
     "フランスの首都はどこですか？",
     "What is the capital of Peru?",
@@ -60,7 +62,9 @@ def _bind_env(bind: str) -> dict[str, str]:
     if bind == "auto":
         return {}
     if bind == "both":
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+        env: dict[str, str] = {}
+        bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
+        return env
     raise ValueError(f"bind must be auto or both, not {bind!r}")
 
 

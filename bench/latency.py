@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from steerserve.engine.cpu import bind_all_cores
+
 ARMS = ("stock", "server", "engine", "steered")
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Peru is"
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
@@ -120,7 +122,7 @@ def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Pr
     """``stock`` or ``server`` with the same engine settings; every core bound in both."""
     port = str(_free_port())
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
     common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", port]
     common += ["--max-num-seqs", str(a.max_num_seqs), "--served-model-name", "bench"]
     if arm == "stock":
@@ -172,7 +174,7 @@ class Direct:
         from steerserve.engine.api import EngineConfig
         from steerserve.server.backend import Backend
 
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        bind_all_cores(os.environ, False, 1)
         self.backend = Backend(
             EngineConfig(
                 model=str(model),

@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency import Proc, _free_port, cpu_info, model_dir, ratio, ratio_ci  # noqa: E402
 
+from steerserve.engine.cpu import bind_all_cores  # noqa: E402
+
 ARMS = ("stock", "steerserve")
 ROLES = ("front end", "EngineCore", "worker")
 SPLIT = {"front end anon": "anon", "front end file": "file"}  # the front end's RSS, by kind
@@ -97,7 +99,7 @@ def command(arm: str, model: str, ckpt: Path, dtype: str, a: argparse.Namespace)
 
 def one_start(arm: str, model: str, ckpt: Path, dtype: str, a, logs: Path) -> dict:  # noqa: ANN001
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default, as served (tests turn it off)
     if arm == "stock":
         env["VLLM_PLUGINS"] = "none"
