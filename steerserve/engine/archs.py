@@ -88,6 +88,12 @@ class SteeringMixin:
         ignore_group_signals_in_worker()
         logger.info("steerserve: steering layers %s of %d", owned, num_layers)
 
+    def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        """The stock logits; the steered rows' states checked on the way (``degenerate.py``)."""
+        logits = super().compute_logits(hidden_states, *args, **kw)  # type: ignore[misc]
+        self.steering.check_sampled(hidden_states)
+        return logits
+
     @staticmethod
     def get_model_state_cls() -> type:
         from steerserve.engine.runner import steering_model_state_cls

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from steerserve.engine.degenerate import flag_rows
 from steerserve.engine.ops import OPS
 from steerserve.engine.spec import (
     DEFAULT_OPS_PER_LAYER,
@@ -113,6 +114,10 @@ class SteeringState:
         # compiled ones pass the ops these counters as gates; off where a CUDA graph might be
         # captured (it would bake the skip in).
         self.skip_idle = skip_idle
+        # the step's steered requests and their rows, until the sampled logits are checked
+        # (``check_sampled``); then the check's flags, until the runner's output takes them
+        self._armed: tuple[list[str], np.ndarray] | None = None
+        self._checked: tuple[list[str], np.ndarray, torch.Tensor] | None = None
 
     # ---- model wiring -------------------------------------------------------------------------
     def attach(self, layers: Sequence[torch.nn.Module], layer_ids: Iterable[int]) -> None:
@@ -278,6 +283,7 @@ class SteeringState:
     ) -> None:
         """Fill the indexes for a batch whose request ``i`` owns tokens
         ``query_start_loc[i]:query_start_loc[i+1]`` (positions from ``num_computed[i]`` on)."""
+        self._armed = None
         if not (self._slot_of or self._top or self._op_top):
             return  # idle: nothing steered now, nothing written last step
         n = len(req_ids)
@@ -299,6 +305,9 @@ class SteeringState:
                 np.where(pos == plen - 1, PHASE_LAST_PROMPT, PHASE_PROMPT),
             )
             tok_slot = slots[tok_req]
+            rows = np.flatnonzero(slots)
+            if rows.size:
+                self._armed = (list(req_ids), rows)
         top = self._fill(self._host, self._hw, self._layer_users, self._slot_rows, tok_slot, phase)
         op_top = 0
         if self._op_top or self._slot_op_layers:
@@ -307,6 +316,26 @@ class SteeringState:
             )
         self._push(max(top, self._top), max(op_top, self._op_top))
         self._top, self._op_top = top, op_top
+
+    def check_sampled(self, hidden: torch.Tensor) -> None:
+        """Flag the step's steered rows whose final hidden state (``compute_logits``' input, one
+        row per request) makes a degenerate distribution (``engine/degenerate.py``): reads
+        ``[steered rows, H]``, no logits, no host sync. Other calls (dummy runs, prompt
+        logprobs) find nothing armed or another row count."""
+        armed, self._armed = self._armed, None
+        if armed is None or hidden.shape[0] != len(armed[0]):
+            return
+        rids, rows = armed
+        index = torch.from_numpy(rows).to(hidden.device, non_blocking=True)
+        self._checked = (rids, rows, flag_rows(hidden.index_select(0, index)))
+
+    def take_degenerate(self) -> list[str]:
+        """The requests the last check flagged (once; on a GPU this reads the flags back)."""
+        checked, self._checked = self._checked, None
+        if checked is None:
+            return []
+        rids, rows, bad = checked
+        return [rids[rows[i]] for i in torch.nonzero(bad.cpu()).flatten().tolist()]
 
     @staticmethod
     def _fill(
@@ -334,6 +363,7 @@ class SteeringState:
     def reset(self) -> None:
         """Zero the indexes (dummy, profile and capture runs see no steering)."""
         top, op_top = self._top, self._op_top
+        self._armed = self._checked = None
         if top:
             self._host[:, :top] = 0
             self._hw[:] = 0

@@ -51,8 +51,9 @@ def _install() -> None:
     global _active
     if _active:
         return
-    from steerserve.engine import lifeline, prefix
+    from steerserve.engine import degenerate, lifeline, prefix
 
     prefix.install()
     lifeline.install()
+    degenerate.install()
     _active = True

@@ -3,7 +3,8 @@ requests come and go, before every forward.
 
 * V1 model runner (CPU; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): idempotent class patches of
   ``GPUModelRunner`` (``CPUModelRunner`` inherits them): ``_update_states`` (slot bookkeeping),
-  ``_model_forward`` (fill the per-token index; a FULL CUDA-graph replay happens inside it) and
+  ``_model_forward`` (fill the per-token index; a FULL CUDA-graph replay happens inside it),
+  ``sample_tokens`` (the steered rows the degeneracy check flagged, into the output) and
   ``_dummy_run`` (profile, warm-up and capture see no steering).
 * Model Runner V2 (GPU default): no patch; the model returns :func:`steering_model_state_cls`,
   vLLM's own per-model hook that sees ``add_request``/``remove_request``/``prepare_inputs``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from steerserve.engine import degenerate
 from steerserve.engine.spec import EXTRA_ARGS_KEY
 
 
@@ -49,6 +51,7 @@ def install_v1_seam() -> None:
     if getattr(R, "_steerserve_seam", False):
         return
     orig_update, orig_forward, orig_dummy = R._update_states, R._model_forward, R._dummy_run
+    orig_sample = R.sample_tokens
 
     @functools.wraps(orig_update)
     def _update_states(self: Any, scheduler_output: Any) -> Any:
@@ -72,6 +75,14 @@ def install_v1_seam() -> None:
             )
         return orig_forward(self, *args, **kwargs)
 
+    @functools.wraps(orig_sample)
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig_sample(self, *args, **kwargs)
+        st = _state(self)
+        if st is not None and (bad := st.take_degenerate()):
+            degenerate.merge(out, bad)  # vLLM's corrupted-logits field, to the front end
+        return out
+
     @functools.wraps(orig_dummy)
     def _dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         st = _state(self)
@@ -82,6 +93,7 @@ def install_v1_seam() -> None:
     R._update_states = _update_states
     R._model_forward = _model_forward
     R._dummy_run = _dummy_run
+    R.sample_tokens = sample_tokens
     R._steerserve_seam = True
 
 

@@ -8,17 +8,14 @@ never disagree about what a steering entry means.
 from __future__ import annotations
 
 import asyncio
-import copy
-import dataclasses
 import logging
-import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
 
-from steerserve.engine import plugin
+from steerserve.engine import degenerate, plugin
 from steerserve.engine.api import (
     Admission,
     EngineConfig,
@@ -140,20 +137,12 @@ class Backend:
     ) -> AsyncGenerator[Any, None]:
         """Stream ``RequestOutput``s of ``prompt`` (token ids or vLLM's engine input; ``kw``:
         ``AsyncLLM.generate``'s); closing or cancelling the generator aborts the request. A
-        steered request is computed with
-        logprobs (at least the top one) and fails with a 500 when a distribution is degenerate
-        (:func:`_checked`); logprobs the client did not ask for are dropped."""
-        asked = params.logprobs
-        if prepared.steered and not asked:
-            params = copy.copy(params)
-            params.logprobs = 1
+        steered request fails with a 500 when a distribution is degenerate (:func:`_checked`)."""
         gen = self.llm.generate(
             make_prompt(prompt), with_steering(params, prepared), request_id, **kw
         )
         gen = _answered(gen)
-        if prepared.steered:
-            gen = _checked(gen, self.vocab_size, keep=asked is not None)
-        return gen
+        return _checked(gen) if prepared.steered else gen
 
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
@@ -196,40 +185,29 @@ async def _answered(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]
         await gen.aclose()
 
 
-#: How far above -ln(vocabulary) (nats) a most likely token's logprob must be: at it, every token
-#: is equally likely, which no trained model predicts but a destroyed residual stream gives (all
-#: logits equal: RMSNorm of an overflowed stream is zero) and NaN logits compare below it.
-UNIFORM_MARGIN = 1e-3
-
-
-async def _checked(
-    gen: AsyncGenerator[Any, None], vocab: int, keep: bool
-) -> AsyncGenerator[Any, None]:
+async def _checked(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
     """``gen``'s outputs, failing with a 500 naming ``steering`` at a degenerate next-token
-    distribution (uniform or NaN): a steered request must never be a 200 with garbage or empty
-    text. The server's fault, not the client's: every vector it serves was vetted at load to
-    fit the model at any admitted scale. ``keep``: the client asked for the logprobs."""
-    floor = -math.log(vocab) + UNIFORM_MARGIN
+    distribution (uniform or NaN), which the worker flags (``engine/degenerate.py``): a steered
+    request must never be a 200 with garbage or empty text. The server's fault, not the
+    client's: every vector it serves was vetted at load to fit the model at any admitted scale."""
+    rid = None
     try:
         async for out in gen:
-            for o in out.outputs:
-                if any(not max(lp.logprob for lp in d.values()) > floor for d in o.logprobs or ()):
-                    logger.error(
-                        "request %s: steering made a degenerate distribution", out.request_id
-                    )
-                    raise ApiError(
-                        "steering: the steered model's next-token distribution came out "
-                        "degenerate (uniform or NaN): a steering vector overwhelms the model",
-                        status=500,
-                        type="server_error",
-                        param="steering",
-                        code="steering_degenerate",
-                    )
-            if not keep:
-                out = copy.copy(out)
-                out.outputs = [dataclasses.replace(o, logprobs=None) for o in out.outputs]
+            rid = out.request_id
+            if degenerate.flagged(rid):
+                logger.error("request %s: steering made a degenerate distribution", rid)
+                raise ApiError(
+                    "steering: the steered model's next-token distribution came out "
+                    "degenerate (uniform or NaN): a steering vector overwhelms the model",
+                    status=500,
+                    type="server_error",
+                    param="steering",
+                    code="steering_degenerate",
+                )
             yield out
     finally:
+        if rid is not None:
+            degenerate.forget(rid)
         await gen.aclose()
 
 
