@@ -717,6 +717,27 @@ BAD: list[tuple[str, Any, int, str, str | None]] = [
         "must be finite",
         "steering.entries[0].scale",
     ),
+    (
+        "entry layer negative",
+        {"steering": {"entries": [{"vector": "tiny/v1/recall", "layer": -1}]}},
+        400,
+        "out of range",
+        "steering.entries[0].layer",
+    ),
+    (
+        "entry layer past the model",
+        {
+            "steering": {
+                "entries": [
+                    {"vector": "tiny/v1/recall", "layer": 2},
+                    {"vector": "tiny/v1/recall", "layer": 99},
+                ]
+            }
+        },
+        400,
+        "out of range",
+        "steering.entries[1].layer",
+    ),
     ("unknown artifact", {"steering": {"artifact": "other"}}, 400, "not loaded", None),
     (
         "prompt too long",
@@ -1310,3 +1331,21 @@ def test_steered_chat_takes_one_path_through_the_server(server: Server, http: ht
     assert {a for a, b in edges if b == "pipeline"} == {"app"}  # one way in
     for a, b in edges:  # one way down: never back into a module above
         assert LAYERS.index(a) < LAYERS.index(b), (a, b, edges)
+
+
+def test_x_request_id_names_the_answer(http: httpx.Client) -> None:
+    """As stock vLLM: the answer's id is named by the client's ``X-Request-Id`` (collected and
+    streamed), which the answer's headers echo; an id that is no visible ASCII is a 400."""
+    rid = {"X-Request-Id": "my-req-123"}
+    r = http.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=rid)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "chatcmpl-my-req-123" and r.headers["x-request-id"] == "my-req-123"
+    body = chat_body(max_tokens=2) | {"stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=rid) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line[6:7] == "{"}
+    assert ids == {"chatcmpl-my-req-123"} and r.headers["x-request-id"] == "my-req-123"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1},
+                  headers=rid)  # fmt: skip
+    assert r.json()["id"] == "cmpl-my-req-123", r.text
+    r = http.post("/v1/chat/completions", json=chat_body(), headers={"X-Request-Id": "a b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id", r.text

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -230,3 +232,112 @@ def test_json_is_compact_by_default(http: httpx.Client) -> None:
         assert r.status_code == 200, r.text
         for c in r.json()["choices"]:
             assert not set(c["text"]) & {"\n", "\t", "\r"}, c["text"]
+
+
+# --- seats measure engine work, not the client's reading (issue 58) ---------------------------
+
+
+def _unread_stream(port: int, key: str, body: dict) -> socket.socket:
+    """A streamed request on a socket whose client never reads: its receive buffer is made small
+    before connecting, so the server's writes soon wait for it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    s.sendall(head.encode() + data)
+    return s
+
+
+def test_unread_streams_hold_no_seats(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two clients stream ``n=28`` and never read: once the engine has finished them (their
+    streams still open, their bytes unsent), another client's ``n=2`` and an A/B request are
+    answered, not a 429 after the seat wait."""
+    from test_server import make_artifact, metric, tiny_server
+
+    keys = ("k1", "k2", "k3")
+    make_artifact(tmp_path, tiny_llama, "v1")  # the A/B endpoint's steered arm
+    bound = {"api_key": keys, "stream_send_timeout_seconds": 600.0}
+    with tiny_server(tiny_llama, tmp_path, **bound) as srv:
+        state = srv.app.state.steer
+        big = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "n": 28,
+            "temperature": 1.0,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            # ~40 MB of events: far more than the kernel's socket buffers hold (4 MiB here)
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+        socks = [_unread_stream(srv.port, k, big) for k in keys[:2]]
+        try:
+            with httpx.Client(base_url=srv.url, timeout=120) as c:
+                auth = {"Authorization": "Bearer k3"}
+                assert _until(lambda: metric(c, "steerserve_queue_depth") == 2)  # both streaming
+                # the engine finished both (0 unfinished) and their seats are free
+                assert _until(lambda: state.seats.in_use == 0 and state.backend.in_flight() == 0)
+                small = {"model": MODEL, "messages": big["messages"], "max_tokens": 4}
+                r = c.post("/v1/chat/completions", json=small | {"n": 2, "temperature": 1.0},
+                           headers=auth)  # fmt: skip
+                assert r.status_code == 200, r.text
+                r = c.post("/v1/chat/completions/ab", json=small, headers=auth)
+                assert r.status_code == 200, r.text
+                # the two streams are still open, their writes waiting for a reader
+                assert metric(c, "steerserve_queue_depth") == 2
+                assert metric(c, "steerserve_stream_stalls_total") == 0
+        finally:
+            for s in socks:
+                s.close()
+        with httpx.Client(base_url=srv.url, timeout=120) as c:  # hung up: settled as 499
+            assert _until(lambda: metric(c, "steerserve_queue_depth") == 0)
+
+
+def test_a_send_blocked_past_its_bound_cancels_the_stream() -> None:
+    """Starlette's stream over an ASGI ``send`` that never returns (a client that reads
+    nothing): at the bound the stream stops, its events' generator is closed (in the server:
+    the engine requests aborted) and the stall counted."""
+    from steerserve.server.generate.streaming import BoundedStream
+
+    closed, stalls, sent = [], [], []
+
+    async def events():  # noqa: ANN202
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def send(message: dict) -> None:
+        sent.append(message["type"])
+        if len(sent) > 3:
+            await asyncio.Event().wait()  # the socket's buffers are full: blocks for ever
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def go() -> None:
+        resp = BoundedStream(events(), 0.2, lambda: stalls.append(1), media_type="text/plain")
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        await asyncio.wait_for(resp(scope, receive, send), 10)
+
+    run(go())
+    assert closed == [True] and stalls == [1]
+    assert sent[0] == "http.response.start" and len(sent) == 4  # no final message
+
+
+def _until(cond: Callable[[], bool], timeout: float = 300.0) -> bool:
+    """Poll ``cond`` until it holds (``timeout``: a bound for a loaded machine, not a target)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False

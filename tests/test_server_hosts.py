@@ -130,6 +130,18 @@ def test_every_keyed_route_on_loopback_without_key_answers_loopback_host_names_o
         ("[::2]:8000", False),
         ("[::1", False),
         ("", False),
+        # parsed strictly: a name or an IP literal, then an optional port, nothing else
+        ("[::1].attacker.example", False),
+        ("[::1]x", False),
+        ("[::1]:80x", False),
+        ("127.0.0.1:80@attacker", False),
+        ("localhost:8100, attacker.example", False),
+        ("localhost attacker.example", False),
+        ("localhost:", False),
+        ("localhost:123456", False),
+        ("[127.0.0.1]", False),  # brackets hold IPv6 only
+        ("LOCALHOST:8000", True),
+        ("localhost.", True),
     ],
 )
 def test_loopback_host_names(host: str, allowed: bool) -> None:

@@ -180,8 +180,10 @@ def entry(item: Any, field: str = "steering[0]") -> SteeringEntry:
         layer = int(layer)
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise SteeringError(f"{field}.layer", f"must be an integer, got {short_repr(layer)}")
-    if not -(2**31) <= layer <= MAX_LAYER:
-        raise SteeringError(f"{field}.layer", "is out of range")
+    if not 0 <= layer <= MAX_LAYER:  # the field's own bounds (ge=0, le=MAX_LAYER), at parse
+        raise SteeringError(
+            f"{field}.layer", f"{short_repr(layer)} is out of range: a 0-based block"
+        )
     raw_scale = item.get("scale", ENTRY_DEFAULTS["scale"])
     scale = finite_number(raw_scale)
     if scale is None:

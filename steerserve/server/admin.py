@@ -84,14 +84,25 @@ def _loopback_host(host_header: str | None, what: str) -> None:
         )
 
 
+#: A ``Host`` header as RFC 9110 allows it (RFC 3986 ``host [":" port]``): an IP literal in
+#: brackets, an IPv4 address or a DNS name, then an optional port of digits; nothing else.
+HOST_HEADER = re.compile(
+    r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?"
+    r"(?:\.[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?)*\.?))(?::[0-9]{1,5})?"
+)
+
+
 def loopback_name(host_header: str) -> bool:
     """Whether a ``Host`` header (port optional) names loopback: ``localhost``, a name under
-    ``.localhost`` (browsers resolve it to loopback themselves, RFC 6761), 127.0.0.0/8, ``[::1]``."""
-    host = host_header.strip().lower()
-    if host.startswith("["):  # [v6]:port
-        host = host[1 : host.find("]")] if "]" in host else ""
-    elif host.count(":") == 1:
-        host = host.partition(":")[0]
+    ``.localhost`` (browsers resolve it to loopback themselves, RFC 6761), 127.0.0.0/8, ``[::1]``.
+    Parsed strictly (:data:`HOST_HEADER`): ``[::1].attacker.example``, ``127.0.0.1:80@x`` or a
+    list of hosts are no loopback name."""
+    m = HOST_HEADER.fullmatch(host_header.strip().lower())
+    if m is None:
+        return False
+    if m["v6"] is not None:
+        return loopback(m["v6"]) and ":" in m["v6"]
+    host = m["name"].removesuffix(".")
     return host.endswith(".localhost") or loopback(host)
 
 

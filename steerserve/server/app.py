@@ -77,6 +77,7 @@ async def require_key(request: Request) -> None:
             status=401,
             code="invalid_api_key",
         )
+    request.state.key_index = matched.index(True)  # who the client is (pipeline.client_of)
 
 
 async def require_admin(request: Request) -> None:
@@ -348,7 +349,7 @@ def _v1_router() -> APIRouter:
         s = _state(request)
         call = request.state.call = pipeline.Call("feedback")
         req = await read_request(request, P.FeedbackRequest, s.settings.max_body_bytes)
-        out = await s.feedback_joined(req.id, req.score)  # the store's round trip, off the loop
+        out = await s.feedback_joined(req.id, req.score, req.metric)  # the store's round trip
         pipeline.finish(s, call, 200, timed=False)
         return out
 

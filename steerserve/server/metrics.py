@@ -48,6 +48,12 @@ class Metrics:
             ["preset", "status"],
             registry=r,
         )
+        self.stream_stalls = Counter(
+            "steerserve_stream_stalls",
+            "Streams cancelled because one write waited for the client to read longer than "
+            "--stream-send-timeout-seconds (their engine requests aborted, their buffers freed).",
+            registry=r,
+        )
         self.ready = Gauge("steerserve_engine_ready", "1 once the engine is loaded.", registry=r)
         self.engine_requests = Gauge(
             "steerserve_engine_requests",

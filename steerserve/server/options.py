@@ -212,6 +212,7 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
             # the 4-bit checkpoint's folder is named w4: serve it under its model's name
             "served_model_name": tuple(s.served_model_name) or _w4_name(Path(engine.model)),
             "api_key": tuple(s.api_key),
+            "forwarded_allow_ips": tuple(s.forwarded_allow_ips),
             "presets": tuple(s.preset),
             "exit_on_failure": True,
         }

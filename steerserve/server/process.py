@@ -79,6 +79,10 @@ def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
         timeout_graceful_shutdown=settings.drain_seconds + GRACE,
         timeout_keep_alive=settings.keep_alive_seconds,
         http=timed_protocol(settings.request_timeout_seconds),
+        # X-Forwarded-For names the client only behind a proxy the operator trusts: a client
+        # could otherwise pick its own address (and a fresh share of engine seats) per request
+        proxy_headers=bool(settings.forwarded_allow_ips),
+        forwarded_allow_ips=list(settings.forwarded_allow_ips) or None,
     )
     state: ServerState = app.state.steer
     server = _Server(config, state, settings.drain_seconds)

@@ -190,6 +190,20 @@ class ServeSettings(BaseSettings):
         "timeout of any proxy or load balancer in front (often 60 s), so that the server never "
         "closes a connection the proxy is reusing.",
     )
+    stream_send_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="How long one write of a streamed answer may wait for a client that does "
+        "not read; past it the stream is cancelled and counted "
+        "(steerserve_stream_stalls_total). Engine seats never wait for the client: they are "
+        "given back when the engine's part ends.",
+    )
+    forwarded_allow_ips: Names = Field(
+        [],
+        description="Proxies (addresses, or *) trusted to name the client in X-Forwarded-For "
+        "(repeatable), as uvicorn's option: the client address then counts in the per-client "
+        "share of engine seats and in the logs. Default: none; the header is ignored.",
+    )
     open_admin: bool = Field(
         False,
         description="Allow POST /v1/steering/vectors without --api-key on a non-loopback --host "
@@ -239,7 +253,7 @@ class ServeSettings(BaseSettings):
         "else ~/.local/state/steerserve/ab-spill.",
     )
 
-    @field_validator("served_model_name", "api_key", "preset", mode="before")
+    @field_validator("served_model_name", "api_key", "preset", "forwarded_allow_ips", mode="before")
     @classmethod
     def _names(cls, value: Any, info: Any) -> Any:
         """A variable's text: a JSON list, else comma-separated names and keys (one preset:

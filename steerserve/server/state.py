@@ -64,6 +64,8 @@ class ServerSettings:
     drain_seconds: int = default("drain_seconds")
     keep_alive_seconds: int = default("keep_alive_seconds")
     request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
+    stream_send_timeout_seconds: float = default("stream_send_timeout_seconds")
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies trusted with X-Forwarded-For (uvicorn)
     host: str = default("host")  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = default("open_admin")
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
@@ -286,7 +288,9 @@ class ServerState:
         self.policy.add(art, make_default)
         return art
 
-    async def feedback_joined(self, rid: str, score: float) -> dict[str, Any]:
+    async def feedback_joined(
+        self, rid: str, score: float, metric: str = "feedback"
+    ) -> dict[str, Any]:
         """:meth:`feedback` off the event loop. With a store, an id it does not know yet is
         asked again for a moment (the replica that answered may still be writing it) without
         holding a thread while waiting."""
@@ -296,13 +300,13 @@ class ServerState:
         deadline = loop.time() + (FEEDBACK_GRACE_SECONDS if self.decisions.store else 0)
         while True:
             try:
-                return await asyncio.to_thread(self.feedback, rid, score)
+                return await asyncio.to_thread(self.feedback, rid, score, metric)
             except ApiError as e:
                 if e.code != "decision_not_found" or loop.time() >= deadline:
                     raise
             await asyncio.sleep(0.05)
 
-    def feedback(self, rid: str, score: float) -> dict[str, Any]:
+    def feedback(self, rid: str, score: float, metric: str = "feedback") -> dict[str, Any]:
         """``POST /v1/steering/feedback``: a score appended to the decision log, joined to the
         arm of the answer ``rid`` (an enrolled request this server, or one before it, answered)."""
         if not self.decisions.enabled:
@@ -313,7 +317,7 @@ class ServerState:
                 code="no_decision_log",
             )
         try:
-            known = self.decisions.feedback(rid, score)
+            known = self.decisions.feedback(rid, score, metric)
         except KeyError:
             raise ApiError(
                 f"id: {rid!r} is not an answer of the A/B experiment",
@@ -329,8 +333,8 @@ class ServerState:
                 param="id",
                 code="decision_not_logged",
             ) from None
-        except ValueError as e:
-            raise ApiError(str(e), param="score") from None
+        except ValueError as e:  # the metric's registry names the field
+            raise ApiError(str(e), param=getattr(e, "param", "score")) from None
         except FeedbackLimit:
             raise ApiError(
                 f"id: {rid!r} was scored {MAX_FEEDBACK_PER_ID} times already (the last score "
@@ -355,7 +359,8 @@ class ServerState:
                 type="service_unavailable",
                 code="experiment_store_unavailable",
             ) from None
-        return {"object": "steering.feedback", "id": rid, "score": score, **known}
+        out = {"object": "steering.feedback", "id": rid, "score": float(score), **known}
+        return out if metric == "feedback" else out | {"metric": metric}
 
     # --- the vectors endpoints -------------------------------------------------------------------
 

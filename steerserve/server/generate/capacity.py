@@ -18,10 +18,13 @@ request:
 - a request of one sequence (a chat turn, a scoring request) is never held here;
 - requests of several sequences (``n``, several prompts, the A/B endpoint's two arms) together
   leave :func:`reserved` seats free, so a small request finds a seat at the engine's next step;
-- one client (its ``user`` field, else its address) holds at most ``per_client`` seats in
-  such requests;
+- one client (the API key it sent where the server has several, else its address:
+  ``pipeline.client_of``, never the ``user`` field a client may rotate) holds at most
+  ``per_client`` seats in such requests;
 - a request that does not fit waits, first come first served, at most ``max_wait`` seconds, and
-  at most ``max_waiting`` requests per client wait: past either, a 429 naming the limit.
+  at most ``max_waiting`` requests per client wait: past either, a 429 naming the limit;
+- seats measure engine work: a stream gives them back when its engine requests end, not when
+  its client has read the last byte (``streaming.merge``).
 """
 
 from __future__ import annotations

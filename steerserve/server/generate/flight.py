@@ -47,6 +47,7 @@ class Call:
     tokens: tuple[int, int] = (0, 0)  # prompt, completion (all arms), once settled
     preset: str | None = None  # the steering preset the request's model id names
     seats: Ticket | None = None  # engine seats held until the request is settled (capacity.py)
+    request_id: str | None = None  # the client's X-Request-Id (the answer's id carries it)
 
 
 def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> None:
@@ -62,10 +63,11 @@ def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> N
     if call.experiment is not None:
         settle_experiment(state, call.experiment, status, seconds if timed else None, call.tokens)
     logger.info(
-        "request endpoint=%s arm=%s%s status=%d ms=%.1f",
+        "request endpoint=%s arm=%s%s%s status=%d ms=%.1f",
         call.endpoint,
         call.arm,
         "" if call.preset is None else f" preset={call.preset}",
+        "" if call.request_id is None else f" id={call.request_id}",
         status,
         seconds * 1e3,
     )

@@ -15,6 +15,7 @@ from steerserve.server.answers import SteeringInfo
 from steerserve.server.generate.endpoints import Endpoint
 from steerserve.server.generate.flight import Call
 from steerserve.server.generate.hosted import Plan
+from steerserve.server.guard import REQUEST_ID
 from steerserve.server.presets import Preset
 
 if TYPE_CHECKING:
@@ -63,7 +64,9 @@ class Job:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {HEADER: self.arms[-1].info.header()}
+        """The answer's headers: its steering, and its id as the client named it (if it did)."""
+        named = {} if self.call.request_id is None else {REQUEST_ID: self.call.request_id}
+        return {HEADER: self.arms[-1].info.header(), **named}
 
     @property
     def labels(self) -> list[str | None]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from steerserve.server.generate.hosted import Plan
 from steerserve.server.generate.job import Arm, Job
 from steerserve.server.generate.policy import OFF
 from steerserve.server.generate.streaming import stream
+from steerserve.server.guard import REQUEST_ID
 from steerserve.server.presets import Preset
 from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
@@ -70,6 +72,7 @@ async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response
 async def read(job: Job) -> None:
     """The body, parsed; a preset named as the model becomes the request's steering."""
     state, call = job.state, job.call
+    call.request_id = request_id(job.request)
     job.body = await read_body(job.request, state.settings.max_body_bytes)
     req = job.req = parse_request(job.ep.schema, job.body)
     job.preset = preset = check(state, req.model)
@@ -94,7 +97,8 @@ async def admit(job: Job) -> None:
         ep, req, seqs_per_request(settings.engine.max_num_seqs, settings.max_seqs_per_request)
     )
     state.backend.check_size(*ep.size(req))
-    job.call.seats = await state.seats.take(client_of(job.request, req), sequences)
+    client = client_of(job.request, len(state.api_keys))
+    job.call.seats = await state.seats.take(client, sequences)
 
 
 async def steer_arms(job: Job) -> None:
@@ -127,7 +131,7 @@ async def steer_arms(job: Job) -> None:
 async def plan(job: Job) -> None:
     """The answer's id, the A/B decision, and per arm the plan its engine calls follow."""
     state, req, backend, settings = job.state, job.req, job.state.backend, job.state.settings
-    job.hexid = uuid.uuid4().hex
+    job.hexid = answer_hexid(job.call)
     rid = job.ep.answer_id(job.hexid)
     await decide(state, job.call.experiment, job.call.endpoint, rid, job.arms[0].info, job.texts)
     job.copies = copies(req)
@@ -210,11 +214,41 @@ async def collect(job: Job) -> Response:
     return JSONResponse(answer, headers=job.headers)
 
 
-def client_of(request: Request, req: Any) -> str:
-    """Who a request's seats count against (``capacity.Seats``): its ``user`` field, else its
-    address. A client can name other users, but never more than the seats all clients share."""
-    if getattr(req, "user", None):
-        return f"user:{req.user}"
+#: What an ``X-Request-Id`` may be: visible ASCII, no space, as an id goes into logs and records.
+REQUEST_ID_TEXT = re.compile(r"[!-~]{1,128}")
+
+
+def request_id(request: Request) -> str | None:
+    """The client's ``X-Request-Id`` (vLLM's: the answer's id is named by it), checked."""
+    given = request.headers.get(REQUEST_ID)
+    if given is None:
+        return None
+    if not REQUEST_ID_TEXT.fullmatch(given):
+        raise ApiError(
+            "x-request-id: must be 1 to 128 visible ASCII characters, no spaces",
+            param="x-request-id",
+        )
+    return given
+
+
+def answer_hexid(call: Call) -> str:
+    """The id an answer is named by: the client's ``X-Request-Id`` as vLLM does, else a fresh
+    one; under the A/B experiment a client's id gets a suffix, since feedback joins one answer
+    by it and clients reuse ids."""
+    fresh = uuid.uuid4().hex
+    if call.request_id is None:
+        return fresh
+    return call.request_id if call.experiment is None else f"{call.request_id}-{fresh[:8]}"
+
+
+def client_of(request: Request, keys: int) -> str:
+    """Who a request's seats count against (``capacity.Seats``): the API key it authenticated
+    with where the server has several (``keys``), else its address (a forwarded one only from a
+    proxy in ``--forwarded-allow-ips``). Never a value the client picks per request: the
+    ``user`` field does not enter it, so rotating it gains no seats."""
+    index = getattr(request.state, "key_index", None)
+    if keys > 1 and index is not None:
+        return f"key:{index}"
     return f"addr:{request.client.host if request.client else '?'}"
 
 

@@ -1,15 +1,22 @@
 """The streamed answer of a generation request: wait for every arm's first event (so an engine
 refusal is still a 4xx), then vLLM's server-sent events with our ``steering`` (and, in an A/B
 stream, each chunk's ``arm``), interleaving the arms, ending in ``[DONE]`` or an error event.
+
+A client that does not read costs nobody else: the engine's events are taken as they come
+(:func:`merge`), so its seats are given back when the engine's part ends, not when the last byte
+is sent; and a write that waits for the client longer than the server's bound cancels the stream
+(:class:`BoundedStream`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Message, Send
 
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
@@ -21,6 +28,8 @@ from steerserve.server.vllm_errors import engine_error, error_from_vllm
 if TYPE_CHECKING:
     from steerserve.server.generate.job import Job
     from steerserve.server.state import ServerState
+
+logger = logging.getLogger("steerserve.server")
 
 
 async def stream(job: Job, run_arms: Callable[[], Awaitable[list[Any]]]) -> Response:
@@ -51,9 +60,56 @@ async def stream(job: Job, run_arms: Callable[[], Awaitable[list[Any]]]) -> Resp
         await _close(gens)
         raise engine_error(e, state.drain if state.stopping else None) from None
     headers = {**job.headers, "cache-control": "no-cache"}
-    return StreamingResponse(
-        _events(job, streams, firsts), media_type="text/event-stream", headers=headers
+    return BoundedStream(
+        _events(job, streams, firsts),
+        state.settings.stream_send_timeout_seconds,
+        state.metrics.stream_stalls.inc,
+        media_type="text/event-stream",
+        headers=headers,
     )
+
+
+class _Stalled(Exception):
+    """One write of a stream waited longer than its bound for the client to read."""
+
+
+class BoundedStream(StreamingResponse):
+    """Starlette's stream, each write bounded: a client that stops reading (its socket's buffers
+    full) blocks a write, and past ``send_timeout`` seconds the stream is cancelled (its events'
+    generator closed: the engine requests aborted, the queued events freed) and ``on_stall``
+    counts it. The connection is then closed by uvicorn, its unsent bytes at most the
+    transport's buffer."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        send_timeout: float,
+        on_stall: Callable[[], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout, self.on_stall = send_timeout, on_stall
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().stream_response(bounded)
+        except _Stalled:
+            self.on_stall()
+            logger.warning(
+                "stream cancelled: the client read nothing for %.0f s "
+                "(--stream-send-timeout-seconds)",
+                self.send_timeout,
+            )
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def _error(plan: Plan, err: dict[str, Any], state: ServerState) -> ApiError:
@@ -75,7 +131,12 @@ async def _events(
     told: list[set[int]] = [set() for _ in streams]
     first_chunk = [True for _ in streams]
     async with Flight(state, job.call, job.request, job.gens) as flight:
-        merged = merge([_chained(f, s) for f, s in zip(firsts, streams, strict=True)], state.drain)
+        merged = merge(
+            [_chained(f, s) for f, s in zip(firsts, streams, strict=True)],
+            state.drain,
+            # the engine's part is over: its seats are free, whatever the client still reads
+            ended=lambda: state.seats.release(job.call.seats),
+        )
         try:
             async for a, event in merged:
                 body = event_json(event)
@@ -128,11 +189,15 @@ async def _close(gens: list[AsyncGenerator]) -> None:
 
 
 async def merge(
-    gens: list[AsyncIterator[Any]], drain: Drain | None = None
+    gens: list[AsyncIterator[Any]],
+    drain: Drain | None = None,
+    ended: Callable[[], None] | None = None,
 ) -> AsyncGenerator[tuple[int, Any], None]:
-    """Interleave several engine streams; closing the merge cancels (aborts) them all. At the
-    ``drain``'s deadline it raises :class:`Dropped` (the stream's last event says so)."""
-    if len(gens) == 1 and drain is None:
+    """Interleave several engine streams, each read as fast as it produces (not as fast as the
+    merge is read); closing the merge cancels (aborts) them all. ``ended`` is called once every
+    stream has ended. At the ``drain``'s deadline it raises :class:`Dropped` (the stream's last
+    event says so)."""
+    if len(gens) == 1 and drain is None and ended is None:
         async for out in gens[0]:
             yield 0, out
         return
@@ -144,7 +209,10 @@ async def merge(
             lambda t: None if t.cancelled() else queue.put_nowait((-1, drain.error()))
         )
 
+    running = len(gens)
+
     async def pump(i: int, gen: AsyncIterator[Any]) -> None:
+        nonlocal running
         try:
             async for out in gen:
                 queue.put_nowait((i, out))
@@ -152,6 +220,9 @@ async def merge(
             queue.put_nowait((i, e))
         finally:
             queue.put_nowait((i, done))
+            running -= 1
+            if running == 0 and ended is not None:
+                ended()
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
