@@ -112,27 +112,37 @@ def ab_report(
         "check compares it with the subjects seen per arm. Default: not checked.",
         show_default=False,
     ),
+    primary: str = typer.Option(
+        None,
+        "--primary",
+        help="The metric the winner is called on (a name of the metric registry). Default: "
+        "feedback where the experiment has any, else language_match.",
+        show_default=False,
+    ),
 ) -> None:
-    """Who won the server's A/B experiment: per arm and detected language, requests, mean
-    feedback score with its 95 % CI, the steered - unsteered difference, latency p50/p95.
+    """Who won the server's A/B experiment: per experiment, metric and detected language, each
+    arm at the subject level, the steered - unsteered difference with its always-valid
+    interval (corrected for the experiment's family of verdicts), and the sample still needed.
     Exits 1 when records were skipped or dropped (the report says which)."""
-    from steerserve.server.ab.analysis import (
-        EVERY,
-        ignored_note,
-        report,
-        report_markdown,
-        write_report,
-    )
+    from steerserve.server.ab import metrics
+    from steerserve.server.ab.analysis import EVERY, ignored_note, report
+    from steerserve.server.ab.rendering import report_markdown, write_report
     from steerserve.server.ab.store import is_store_url, shown
 
+    hint = "STORE" if is_store_url(log) else "LOG"
     if not is_store_url(log) and not Path(log).is_file():
-        raise typer.BadParameter(f"no such file: {log}", param_hint="LOG")
+        raise typer.BadParameter(f"no such file: {log}", param_hint=hint)
     if out is not None and out.exists() and not out.is_dir():
         raise typer.BadParameter(f"{out} exists and is not a folder", param_hint="--out")
     try:
-        rep = report(log, min_n=min_scored, splits=None if split is None else {EVERY: split})
-    except ValueError as e:  # a store that cannot be read: said in one line
-        raise typer.BadParameter(str(e), param_hint="LOG") from None
+        if primary is not None:
+            metrics.get(primary, "--primary")
+        splits = None if split is None else {EVERY: split}
+        rep = report(log, min_n=min_scored, splits=splits, primary=primary)
+    except metrics.MetricError as e:
+        raise typer.BadParameter(str(e).split(": ", 1)[1], param_hint="--primary") from None
+    except ValueError as e:  # a store that cannot be read (or is not there): said in one line
+        raise typer.BadParameter(str(e), param_hint=hint) from None
     log = shown(log) if is_store_url(log) else log
     typer.echo(report_markdown(rep), nl=False)
     if out is not None:

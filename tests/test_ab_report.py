@@ -7,6 +7,9 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
 from steerserve.server.ab.analysis import build_report, read_log, write_report
 
 
@@ -44,7 +47,7 @@ def test_known_difference_is_inside_the_ci_and_called(tmp_path: Path) -> None:
     rep = build_report(read_log(path))
     assert rep["not_enrolled"] == 1
     exp = rep["experiments"]["e1"]["overall"]
-    lo, hi = exp["difference"]["ci95"]
+    lo, hi = exp["difference"]["ci"]
     assert lo < 0.2 < hi and lo > 0
     assert exp["verdict"].startswith("steered wins")
     assert exp["arms"]["steered"]["requests"] == 2000
@@ -155,3 +158,124 @@ def test_ab_report_checks_the_sample_ratio_against_a_given_split(tmp_path: Path)
     assert "not checked" not in even.output and "MISMATCH" not in even.output, even.output
     skewed = CliRunner().invoke(app, ["ab-report", str(path), "--split", "0.8"])
     assert "SAMPLE RATIO MISMATCH" in skewed.output, skewed.output
+
+
+def _line(rid: str, arm: str, lang: str, user: str, **kw: object) -> str:
+    rec = {"type": "decision", "id": rid, "experiment": "e1", "arm": arm, "language": lang}
+    return json.dumps(rec | {"subject_hash": user, **kw}) + "\n"
+
+
+def _fb(rid: str, score: float) -> str:
+    return json.dumps({"type": "feedback", "id": rid, "score": score}) + "\n"
+
+
+def test_a_log_from_before_metrics_still_reports_and_says_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    """An old log (no reply languages, no ``applied``, no subject hashes): feedback and latency
+    are reported as before, the language metrics are said to be missing (never 0), the unit is
+    the request and each arm's applied status "unknown"."""
+    path = tmp_path / "old.jsonl"
+    _log(path, 400, 0.7, 0.5)
+    rep = build_report(read_log(path))
+    exp = rep["experiments"]["e1"]
+    o = exp["overall"]
+    assert exp["family"]["metrics"] == ["feedback", "latency_ms"]
+    assert "language_match" not in o["metrics"] and exp["unit"].startswith("requests")
+    assert o["applied"]["status"] == "unknown" and exp["not_applied"] == []
+    assert o["metrics"]["feedback"]["status"] in ("called", "open")
+    md = write_report(rep, tmp_path / "r").read_text()
+    assert "| feedback | all |" in md and "language_match" not in md
+    # a log whose records carry reply languages for some experiments only: said missing there
+    with open(path, "a") as f:
+        f.write("\n" + _line("new-1", "steered", "ja", "u1", reply_language=["ja"]))
+    rep = build_report(read_log(path))
+    lm = rep["experiments"]["e1"]["per_language"]["ko"]["metrics"]["language_match"]
+    assert lm["status"] == "missing" and lm["mean"] == {"steered": None, "unsteered": None}
+    assert "missing: no values here" in write_report(rep, tmp_path / "r2").read_text()
+
+
+def test_a_language_the_steered_arm_did_not_steer_is_shown_and_left_out(tmp_path: Path) -> None:
+    """Under ``auto`` English prompts are not steered (``applied: false``): per language "en"
+    says the steered arm was not applied there, and the overall comparison is the languages it
+    was applied in, never a silent pool of both."""
+    path = tmp_path / "ab.jsonl"
+    with open(path, "w") as f:
+        for i in range(400):
+            arm = "steered" if i % 2 else "unsteered"
+            lang = "en" if i % 4 < 2 else "ja"
+            applied = arm == "steered" and lang == "ja"
+            f.write(_line(f"c{i}", arm, lang, f"u{i}", applied=applied, latency_ms=100.0))
+            f.write(_fb(f"c{i}", float(i % 3 == 0)))
+    exp = build_report(read_log(path))["experiments"]["e1"]
+    en, ja = exp["per_language"]["en"], exp["per_language"]["ja"]
+    assert exp["not_applied"] == ["en"]
+    assert en["applied"] == {"steered_requests": 100, "applied": 0, "status": "not applied"}
+    assert ja["applied"]["status"] == "applied"
+    assert en["verdict"].startswith("steered arm not applied here")
+    o = exp["overall"]
+    assert o["arms"]["steered"]["requests"] == ja["arms"]["steered"]["requests"] == 100
+    assert o["applied"]["status"] == "applied"
+    md = (
+        CliRunner().invoke(app_cli(), ["ab-report", str(path), "--out", str(tmp_path / "r")]).output
+    )
+    assert "Steered arm not applied in: en" in md and "- en: steered arm not applied here" in md
+
+
+def test_a_winner_that_harms_a_guardrail_is_no_winner(tmp_path: Path) -> None:
+    """Steered far better on feedback but 50 % slower: the guardrail holds the verdict back, and
+    says which."""
+    path = tmp_path / "ab.jsonl"
+    with open(path, "w") as f:
+        for i in range(600):
+            arm = "steered" if i % 2 else "unsteered"
+            ms = (150.0 if arm == "steered" else 100.0) * (1 + 0.1 * (i % 5))
+            f.write(_line(f"c{i}", arm, "ja", f"u{i}", latency_ms=ms))
+            f.write(_fb(f"c{i}", float(arm == "steered" or i % 4 == 0)))
+    o = build_report(read_log(path))["experiments"]["e1"]["overall"]
+    assert o["metrics"]["feedback"]["better"] == "steered"
+    lat = o["metrics"]["latency_ms"]
+    assert lat["harm"] and lat["difference"]["diff"] == pytest.approx(0.5, abs=0.01)
+    assert o["winner"] is None and "worse on the guardrail latency_ms" in o["verdict"]
+
+
+def test_report_json_keeps_the_winner_and_gains_per_metric_results(tmp_path: Path) -> None:
+    path = tmp_path / "ab.jsonl"
+    _log(path, 4000, 0.7, 0.5)
+    out = CliRunner().invoke(
+        app_cli(), ["ab-report", str(path), "--out", str(tmp_path / "r"), "--primary", "feedback"]
+    )
+    assert out.exit_code == 1, out.output  # the torn last line
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    exp = rep["experiments"]["e1"]
+    assert exp["overall"]["winner"] == "steered"
+    fb = exp["overall"]["metrics"]["feedback"]
+    assert set(fb) >= {"n", "subjects", "mean", "difference", "fixed_horizon", "verdict", "needed"}
+    # 2 metrics (feedback, latency_ms) x 3 groups (all, ja, ko)
+    assert exp["family"]["method"] == "Bonferroni" and exp["family"]["size"] == 6
+    seq = exp["sequence"]
+    assert seq["metric"] == "feedback" and 2 <= len(seq["diff"]) <= 60
+    assert all(lo <= d <= hi for d, lo, hi in zip(seq["diff"], seq["lo"], seq["hi"], strict=True))
+    assert seq["lo"][-1] > 0  # the last look calls it
+    assert {m["name"] for m in rep["metrics"]} >= {"feedback", "language_match", "pivot_leak"}
+    assert "| feedback | all |" in out.output and "still needed" in out.output
+
+
+def test_ab_report_on_a_missing_store_creates_nothing(tmp_path: Path) -> None:
+    """Issue 58: ``ab-report sqlite:///missing.db`` says the store is not there (exit 2, named)
+    and creates no file; a missing log file the same."""
+    missing = tmp_path / "missing.db"
+    out = CliRunner().invoke(app_cli(), ["ab-report", f"sqlite:///{missing}"])
+    assert out.exit_code == 2 and "no such file" in out.output, out.output
+    assert "missing.db" in out.output
+    assert not list(tmp_path.iterdir())
+    out = CliRunner().invoke(app_cli(), ["ab-report", str(tmp_path / "nope.jsonl")])
+    assert out.exit_code == 2 and "no such file" in out.output and not list(tmp_path.iterdir())
+    out = CliRunner().invoke(app_cli(), ["ab-report", str(tmp_path), "--primary", "nope"])
+    assert out.exit_code == 2
+
+
+def app_cli():  # noqa: ANN201
+    from steerserve.cli import app
+
+    return app

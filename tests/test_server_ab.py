@@ -25,6 +25,7 @@ from test_server import (
     tiny_settings,
 )
 
+from steerserve.server.ab import metrics
 from steerserve.server.ab.experiment import DecisionLog, Experiment
 
 NAME = "exp-1"
@@ -125,6 +126,11 @@ def test_metrics_and_log_carry_the_arm(server: Server, http: httpx.Client, root:
     assert all(by_hash[x["subject_hash"]] == x["arm"] for x in lines)
     assert x["vectors"] == (["tiny/v1/recall", "tiny/v1/translation"] if x["applied"] else [])
     assert x["prompt"] == [FR] and len(x["reply"]) == 1  # --ab-log-content (tested off alone)
+    # issue 56: what the automatic metrics stand on, recorded for every answer of both arms
+    for y in lines:
+        assert len(y["reply_language"]) == 1 and y["finish_reason"] == ["length"], y
+    automatic = metrics.automatic(x)
+    assert automatic["truncated"] == 1.0 and automatic["failed"] == 0.0, automatic
     # a streamed answer: its reply as streamed, its tokens
     body = chat_body(FR, max_tokens=3, user=USERS[3], stream=True)
     with http.stream("POST", "/v1/chat/completions", json=body) as s:
@@ -134,6 +140,7 @@ def test_metrics_and_log_carry_the_arm(server: Server, http: httpx.Client, root:
     assert chunks[0]["steering"]["experiment"]["arm"] == arm
     last = log_lines(root)[-1]
     assert (last["reply"], last["completion_tokens"], last["arm"]) == ([text], 3, arm)
+    assert last["finish_reason"] == ["length"] and len(last["reply_language"]) == 1
     # a full disk: still answered, counted, not per request in the server's log
     state = server.app.state.steer
     kept, state.decisions.log = (
@@ -165,15 +172,22 @@ def test_feedback_joins_the_arm(server: Server, http: httpx.Client, root: Path) 
     }
     row = next(x for x in read_log(root / "ab.jsonl") if x.id == rid)
     assert (row.arm, row.score) == (want, 1.0)
+    written = (root / "ab.jsonl").read_bytes()
     for body, status, param in (
         ({"id": "chatcmpl-nope", "score": 1}, 404, "id"),
         (b'{"id": "%s", "score": NaN}' % rid.encode(), 400, "score"),
         ({"id": rid, "score": "1"}, 400, "score"),
         ({"score": 1}, 400, "id"),
+        # issue 56: the metric registry's checks, before anything is written
+        ({"id": rid, "score": 2}, 400, "score"),
+        ({"id": rid, "score": 1, "metric": "nope"}, 400, "metric"),
+        ({"id": rid, "score": 1, "metric": "language_match"}, 400, "metric"),
+        ({"id": rid, "score": 1, "metric": ["feedback"]}, 400, "metric"),
     ):
         kw = {"json": body} if isinstance(body, dict) else {"content": body}
         r = http.post("/v1/steering/feedback", **kw, headers={"content-type": "application/json"})
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert (root / "ab.jsonl").read_bytes() == written  # refused: nothing written
     r = httpx.post(f"{server.url}/v1/steering/feedback", json={"id": rid, "score": 1})
     assert r.status_code == 401  # the API key, as every /v1 endpoint
     # the report on this log: one scored reply calls no winner

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from steerserve.engine.spec import short_repr
@@ -49,9 +49,6 @@ HEADERS = {
 }
 #: Replies shown on /experiments with --ab-log-content (read from the end of the log).
 RECENT, RECENT_BYTES = 20, 256 << 10
-MIN_SCORED = Query(
-    ab_report.MIN_SCORED, ge=2, description="scored replies per arm to call a winner"
-)
 
 
 @functools.cache
@@ -100,14 +97,15 @@ def experiments_router() -> APIRouter:
     r = APIRouter(prefix="/v1/steering")
 
     @r.get("/experiments", response_model=None, responses=REFUSED)
-    async def experiments(request: Request, min_scored: int = MIN_SCORED) -> dict[str, Any]:
+    async def experiments(request: Request) -> dict[str, Any]:
         """The A/B experiment: its settings, the report of its experiment store (every
         replica's records) or decision log, requests by arm and status since this process
-        started, and (with --ab-log-content) recent replies."""
-        return await asyncio.to_thread(snapshot, _state(request), min_scored)
+        started, and (with --ab-log-content) recent replies. The winner threshold is the
+        server's (``analysis.MIN_SCORED``): a viewer cannot lower it."""
+        return await asyncio.to_thread(snapshot, _state(request))
 
     @r.get("/experiments/report.{fmt}", response_model=None, responses=REPORT)
-    async def download(request: Request, fmt: str, min_scored: int = MIN_SCORED) -> Response:
+    async def download(request: Request, fmt: str) -> Response:
         """``steerserve ab-report --out``'s report.md, report.json or report.png, now."""
         if fmt not in ab_report.FORMATS:
             raise ApiError(f"format: one of {', '.join(ab_report.FORMATS)}", status=404)
@@ -121,7 +119,7 @@ def experiments_router() -> APIRouter:
                 code="no_decision_log",
             )
         try:
-            rep = await asyncio.to_thread(_report, source, min_scored, _split(state))
+            rep = await asyncio.to_thread(_report, source, _split(state))
         except (StoreUnavailable, StoreError) as e:
             raise ApiError(
                 f"the experiment store cannot be read now: {e}",
@@ -159,39 +157,37 @@ def _split(state: ServerState) -> tuple[str, float] | None:
     return None if exp is None else (exp.name, exp.split)
 
 
-def _report(
-    source: Path | Store, min_scored: int, split: tuple[str, float] | None
-) -> dict[str, Any]:
+def _report(source: Path | Store, split: tuple[str, float] | None) -> dict[str, Any]:
     """The report of the log or the store as it is now (recomputed only when the file, or the
     store's counts, changed)."""
     if isinstance(source, Path):
         st = source.stat()
-        return _report_of(str(source), (st.st_size, st.st_mtime_ns), min_scored, split)
-    return _store_report(source, source.stamp(), min_scored, split)
+        return _report_of(str(source), (st.st_size, st.st_mtime_ns), split)
+    return _store_report(source, source.stamp(), split)
 
 
 @functools.lru_cache(maxsize=4)
 def _report_of(
-    path: str, stamp: tuple[int, int], min_scored: int, split: tuple[str, float] | None
+    path: str, stamp: tuple[int, int], split: tuple[str, float] | None
 ) -> dict[str, Any]:
-    return ab_report.report(path, min_n=min_scored, splits=dict([split]) if split else None)
+    return ab_report.report(path, splits=dict([split]) if split else None)
 
 
 @functools.lru_cache(maxsize=4)
 def _store_report(
-    store: Store, stamp: tuple[int, int, int], min_scored: int, split: tuple[str, float] | None
+    store: Store, stamp: tuple[int, int, int], split: tuple[str, float] | None
 ) -> dict[str, Any]:
-    return ab_report.report(store, min_n=min_scored, splits=dict([split]) if split else None)
+    return ab_report.report(store, splits=dict([split]) if split else None)
 
 
-def snapshot(state: ServerState, min_scored: int = ab_report.MIN_SCORED) -> dict[str, Any]:
+def snapshot(state: ServerState) -> dict[str, Any]:
     """What ``/experiments`` shows."""
     exp, log, writer = state.experiment, state.decisions.log, state.decisions.store
     path = _log_path(state)
     source = _source(state)
     rep, unread = None, None
     try:
-        rep = None if source is None else _report(source, min_scored, _split(state))
+        rep = None if source is None else _report(source, _split(state))
         if writer is None:
             recent_rows = recent(path) if path is not None and log.content else []
         else:
@@ -256,6 +252,6 @@ def recent(path: Path, n: int = RECENT) -> list[dict[str, Any]]:
         if rec.get("type") == "decision" and "reply" in rec:
             keep = ("id", "ts", "experiment", "arm", "language", "prompt", "reply")
             rows[str(rec["id"])] = {k: rec.get(k) for k in keep} | {"score": None}
-        elif rec.get("type") == "feedback" and str(rec["id"]) in rows:
+        elif rec.get("type") == "feedback" and str(rec["id"]) in rows and "metric" not in rec:
             rows[str(rec["id"])]["score"] = rec.get("score")
     return list(rows.values())[-n:][::-1]

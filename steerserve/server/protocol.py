@@ -44,7 +44,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 )
 
 from steerserve.engine.spec import reserved_key
-from steerserve.server.ab.experiment import SCORE_MAX, SCORE_MIN
+from steerserve.server.ab.metrics import posted as posted_metrics
 from steerserve.server.admin import ARTIFACT_REF
 from steerserve.server.errors import ApiError, ErrorResponse, api_error, field_path
 from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
@@ -464,13 +464,23 @@ class DetokenizeRequest(_Strict, _VDetokenize):
     tokens: _TOKENS = Field(min_length=1)  # type: ignore[valid-type]
 
 
+_POSTED, _LO, _HI = posted_metrics()  # the metric registry's (server/ab/metrics.py)
+
+
 class FeedbackRequest(_Request):
     id: str = Field(min_length=1, max_length=200, description="the answer's completion id")
     score: float = Field(
         allow_inf_nan=False,
-        ge=SCORE_MIN,
-        le=SCORE_MAX,
-        description="the outcome in [-1, 1], e.g. 1 thumbs up, 0 down; an answer's last counts",
+        ge=_LO,
+        le=_HI,
+        description="the outcome in the metric's range (feedback: [-1, 1], e.g. 1 thumbs up, 0 "
+        "down); an answer's last per metric counts",
+    )
+    metric: str = Field(
+        "feedback",
+        description="a feedback metric of the server's registry (the automatic ones are "
+        "measured by the server on every reply and refused here)",
+        json_schema_extra={"enum": _POSTED},
     )
 
 
@@ -480,6 +490,7 @@ class FeedbackAnswer(BaseModel):
     object: Literal["steering.feedback"] = "steering.feedback"
     id: str
     score: float
+    metric: str = "feedback"
     experiment: str | None
     arm: str | None
     language: str | None

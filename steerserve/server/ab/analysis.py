@@ -1,148 +1,223 @@
 """``steerserve ab-report LOG|STORE``: who won a server-side A/B experiment, read from its decision
-log or its experiment store.
+log or its experiment store; the numbers ``/experiments`` shows.
 
-Per experiment, arm and detected language: requests, mean feedback score with a 95 % CI, the
-steered - unsteered difference with its always-valid 95 % CI and p-value (an mSPRT, see
-:mod:`steerserve.server.ab.stats`), and latency p50/p95; per experiment a sample-ratio-mismatch check
-when the split is known. The winner is called on the always-valid test, because the report is
-read live (``/experiments`` refreshes every 2 s) and a fixed-horizon CI read at every refresh
-calls false winners far above 5 %; the fixed-horizon (Welch) numbers stay as a labelled second
-view. It says plainly when there are too few scored replies to call a winner.
+Per experiment, for every metric of the registry (``metrics.py``) that has values, overall and
+per detected language: each arm's mean at the unit of randomisation (the subject), the steered -
+unsteered difference with its always-valid interval (an mSPRT confidence sequence,
+:mod:`steerserve.server.ab.stats`), what it calls, and the sample still needed for the metric's
+stated effect. The intervals are corrected for the family of every metric and language of the
+experiment (Bonferroni), so reading every verdict at every refresh calls a false winner with
+probability at most 5 %. The winner is called on the primary metric and withheld when the winning
+arm is worse on a guardrail. Languages where the steered arm was not applied (``auto`` left the
+prompts unsteered) are shown as such and left out of the overall comparison. The fixed-horizon
+numbers stay as a labelled second view.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from steerserve.engine.spec import finite_number
+from steerserve.server.ab import metrics as ab_metrics
 from steerserve.server.ab import stats as ab_stats
-from steerserve.server.ab.experiment import STEERED, UNSTEERED, check_score
+from steerserve.server.ab.experiment import STEERED, UNSTEERED
+from steerserve.server.ab.records import Ignored, Row, read_log, scan_log, scan_records
+from steerserve.server.ab.rendering import (
+    FORMATS,
+    diff_text,
+    ignored_note,
+    render,
+    report_markdown,
+    srm_line,
+    srm_warning,
+    store_line,
+    write_report,
+)
 
 if TYPE_CHECKING:
     from steerserve.server.ab.store import Store
 
-#: Fewer scored replies than this in either arm: no winner is called. A display floor only: the
-#: always-valid test needs no planned sample size, but its plug-in variance is rough on a handful
-#: of replies and a winner on five thumbs convinces nobody.
+__all__ = [
+    "FORMATS",
+    "Ignored",
+    "Row",
+    "build_report",
+    "ignored_note",
+    "read_log",
+    "render",
+    "report",
+    "report_markdown",
+    "scan_log",
+    "store_line",
+    "write_report",
+]
+
+#: Fewer values than this in either arm: no verdict on that metric. Fixed by the server (the
+#: page's viewers cannot lower it): the always-valid test needs no planned sample size, but a
+#: winner on five thumbs convinces nobody.
 MIN_SCORED = 30
 Z95 = 1.959964
-#: Level of the always-valid test the verdict uses: the chance of ever calling a false winner,
-#: however often the report is read.
+#: The family's level: the chance that any verdict of the experiment, at any look, is false.
 ALPHA = ab_stats.ALPHA
+FAMILY_METHOD = "Bonferroni"
 #: What the fixed-horizon view is good for, said wherever it is shown.
 FIXED_HORIZON_NOTE = (
-    "Welch, normal approximation: valid only when read once, at a sample size planned in "
-    "advance; read again and again (the live page refreshes every 2 s) it calls false winners "
-    "far more often than 5 %"
+    "normal approximation on the same subject-level variance, uncorrected: valid only when read "
+    "once, at a sample size planned in advance; read again and again (the live page refreshes "
+    "every 2 s) it calls false winners far more often than 5 %"
 )
+#: Points of the primary metric's confidence sequence over time the report keeps.
+SEQUENCE_POINTS = 60
+#: The ``splits`` key of a split that holds for every experiment (``ab-report --split``).
+EVERY = "*"
+ARMS = (STEERED, UNSTEERED)
 
 
 @dataclass
-class Row:
-    """One answered request joined with its feedback (the last score given wins)."""
+class Frame:
+    """One experiment's rows as arrays, in the order they were answered."""
 
-    id: str
-    experiment: str | None
-    arm: str | None
-    language: str | None
-    latency_ms: float | None
-    score: float | None = None
-    subject_hash: str | None = None  # who the split assigned (the unit of the SRM check)
+    rows: list[Row]
+    steered: NDArray[np.bool_]
+    subjects: NDArray[np.int64]
+    language: NDArray[np.str_]
+    by_subject: bool  # every row names its subject (else a row without one is its own)
 
+    @classmethod
+    def of(cls, rows: Sequence[Row]) -> Frame:
+        order = sorted(range(len(rows)), key=lambda i: _when(rows[i], i))
+        rows = [rows[i] for i in order]
+        ids = [r.subject_hash if r.subject_hash is not None else f"\x00{r.id}" for r in rows]
+        subjects = np.unique(np.asarray(ids, dtype=object).astype(str), return_inverse=True)[1]
+        return cls(
+            rows,
+            np.array([r.arm == STEERED for r in rows], dtype=bool),
+            subjects.reshape(-1),
+            np.array([r.language or "unknown" for r in rows], dtype=str),
+            all(r.subject_hash is not None for r in rows),
+        )
 
-def read_log(path: str | Path) -> list[Row]:
-    """Decisions joined with their feedback by completion id (see :func:`scan_log`)."""
-    return scan_log(path)[0]
-
-
-@dataclass
-class Ignored:
-    """The lines of a log the report does not stand on, by why: every one is counted."""
-
-    unreadable: int = 0  # not JSON (a torn line), wrong field types, a score out of range
-    orphan_feedback: int = 0  # a score for an id with no decision line in the log
-
-    @property
-    def total(self) -> int:
-        return self.unreadable + self.orphan_feedback
+    def values(self, metric: str) -> NDArray[np.float64]:
+        return np.array([r.values.get(metric, np.nan) for r in self.rows], dtype=float)
 
 
-def scan_log(path: str | Path) -> tuple[list[Row], Ignored]:
-    """Decisions joined with their feedback by completion id (an answer's last score counts),
-    and the lines ignored: unreadable ones (not JSON, a torn last line included; a record whose
-    fields have the wrong types or a score outside the server's range) and feedback for an id
-    with no decision in the log (its decision line was lost)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return scan_records(map(_parse, f))
+def _when(r: Row, i: int) -> tuple[bool, float, Any]:
+    """Time order (a log and a store of the same records agree); rows without a time as given."""
+    return (r.ts is None, r.ts or 0.0, r.id if r.ts is not None else i)
 
 
-def _parse(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError):
-        return None  # a torn line: counted unreadable
+def _metric(
+    f: Frame, mask: NDArray[np.bool_], m: ab_metrics.Metric, alpha: float, min_n: int
+) -> dict[str, Any]:
+    """One metric in one group: each arm at the subject level, the always-valid difference at
+    the family's level, what it calls, and what is still needed for the metric's effect."""
+    x = f.values(m.name)
+    a = ab_stats.moments(f.subjects, np.where(mask & f.steered, x, np.nan))
+    b = ab_stats.moments(f.subjects, np.where(mask & ~f.steered, x, np.nan))
+    tau2 = m.tau**2
+    d, h, p = (
+        float(v) for v in ab_stats.always_valid_arrays(a, b, m.lo, m.hi, alpha, tau2, m.relative)
+    )
+    fd, fh, fp = (float(v) for v in ab_stats.fixed_horizon(a, b, m.lo, m.hi, m.relative))
+    n = {STEERED: int(a.c), UNSTEERED: int(b.c)}
+    subjects = {STEERED: int(a.n), UNSTEERED: int(b.n)}
+    means = {
+        arm: _num(ab_stats.ratio(mo, m.lo, m.hi)[0]) for arm, mo in zip(ARMS, (a, b), strict=True)
+    }
+    enough = min(n.values()) >= min_n and min(subjects.values()) >= 2
+    sign = int(ab_stats.decide(d, h, enough))
+    better = None if sign == 0 else STEERED if sign * m.direction > 0 else UNSTEERED
+    ok = math.isfinite(h)
+    out: dict[str, Any] = {
+        "metric": m.name,
+        "role": m.role,
+        "n": n,
+        "subjects": subjects,
+        "mean": means,
+        "difference": {
+            "diff": _num(d),
+            "ci": [d - h, d + h] if ok else None,
+            "p_value": _num(p) if ok else None,
+            "alpha": alpha,
+            "relative": m.relative,
+            "method": f"always-valid (mSPRT, normal mixture, tau = {m.tau:g}), subject level",
+        },
+        "fixed_horizon": {
+            "diff": _num(fd),
+            "ci95": [fd - fh, fd + fh] if math.isfinite(fh) else None,
+            "p_value": _num(fp),
+            "note": FIXED_HORIZON_NOTE,
+        },
+        "better": better,
+        "harm": m.role == ab_metrics.GUARDRAIL and better == UNSTEERED,
+        "status": _status(n, enough, better),
+        "needed": _needed(a, b, m, alpha, min_n) if better is None else None,
+    }
+    out["verdict"] = metric_verdict(out, min_n)
+    return out
 
 
-def scan_records(records: Iterable[Any]) -> tuple[list[Row], Ignored]:
-    """:func:`scan_log` of records already parsed (a log's lines, or an experiment store's rows
-    in the same shape: one join for both)."""
-    rows: dict[str, Row] = {}
-    scores: dict[str, list[float]] = {}
-    ignored = Ignored()
-    for rec in records:
-        kind = rec.get("type") if isinstance(rec, dict) else None
-        if kind == "decision" and (row := _decision(rec)) is not None:
-            rows[row.id] = row
-        elif kind == "feedback" and (score := _score(rec)) is not None:
-            scores.setdefault(rec["id"], []).append(score)
-        else:
-            ignored.unreadable += 1
-    for rid, given in scores.items():
-        if rid in rows:
-            rows[rid].score = given[-1]
-        else:
-            ignored.orphan_feedback += len(given)
-    return list(rows.values()), ignored
+def _status(n: Mapping[str, int], enough: bool, better: str | None) -> str:
+    if not any(n.values()):
+        return "missing"
+    if not enough:
+        return "too few"
+    return "called" if better else "open"
 
 
-def _decision(rec: dict[str, Any]) -> Row | None:
-    """A decision line as a :class:`Row`, or None when a field has the wrong type."""
-    rid, latency = rec.get("id"), rec.get("latency_ms")
-    names = [rec.get(k) for k in ("experiment", "arm", "language")]
-    if not isinstance(rid, str) or not all(v is None or isinstance(v, str) for v in names):
+def _needed(
+    a: ab_stats.Moments, b: ab_stats.Moments, m: ab_metrics.Metric, alpha: float, min_n: int
+) -> dict[str, Any] | None:
+    """About how many more subjects (and values) both arms together need, at the current split
+    and values per subject, before a true difference of the metric's ``effect`` would be called;
+    None when there are too few subjects to estimate a variance."""
+    if min(a.n, b.n) < 2:
         return None
-    if latency is not None and (finite_number(latency) is None or latency < 0):
+    _, v = ab_stats.difference(a, b, m.lo, m.hi, m.relative)
+    k = ab_stats.scale_needed(float(v), m.effect, alpha, m.tau**2)
+    if not math.isfinite(k):
         return None
-    ms = None if latency is None else float(latency)
-    subject = rec.get("subject_hash")  # logs before it, or a wrong type: the SRM counts requests
-    return Row(rid, names[0], names[1], names[2], ms, subject_hash=_str_or_none(subject))
+    more = max(k - 1.0, 0.0)
+    values = math.ceil(more * float(a.c + b.c))
+    floor = max(min_n - int(a.c), 0) + max(min_n - int(b.c), 0)
+    per_subject = float(a.n + b.n) / float(a.c + b.c)
+    return {
+        "effect": m.effect,
+        "subjects": max(math.ceil(more * float(a.n + b.n)), math.ceil(floor * per_subject)),
+        "values": max(values, floor),
+    }
 
 
-def _str_or_none(v: Any) -> str | None:
-    return v if isinstance(v, str) else None
+def metric_verdict(r: Mapping[str, Any], min_n: int) -> str:
+    """One metric's result in words."""
+    n, d = r["n"], r["difference"]
+    if r["status"] == "missing":
+        return "no values here"
+    if r["status"] == "too few":
+        return (
+            f"too few values to call (need {min_n} per arm and 2 subjects; steered "
+            f"{n[STEERED]}, unsteered {n[UNSTEERED]})"
+        )
+    why = f"{diff_text(d)} always-valid at {d['alpha']:.2g}"
+    if r["better"] is None:
+        return f"no significant difference: {why}"
+    return f"{r['better']} better: {why}" + (" (guardrail harmed)" if r["harm"] else "")
 
 
-def _score(rec: dict[str, Any]) -> float | None:
-    """A feedback line's score, or None (no string id; not a number in the server's range:
-    a ``true``, a NaN, a -1e308 a server before bounds took)."""
-    if not isinstance(rec.get("id"), str):
-        return None
-    try:
-        return check_score(rec.get("score"))
-    except ValueError:
-        return None
+def _num(x: Any) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
 
 
 def mean_ci(values: Sequence[float]) -> dict[str, Any]:
-    """Mean and normal-approximation 95 % CI (None where n < 2)."""
+    """Mean and normal-approximation 95 % CI per reply (None where n < 2): a description of an
+    arm, not a test."""
     n = len(values)
     if n == 0:
         return {"n": 0, "mean": None, "ci95": None}
@@ -154,39 +229,14 @@ def mean_ci(values: Sequence[float]) -> dict[str, Any]:
     return {"n": n, "mean": m, "ci95": [m - half, m + half]}
 
 
-def diff_ci(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """mean(a) - mean(b) with a fixed-horizon Welch 95 % CI and two-sided p-value (None where
-    either side has n < 2): valid read once at a planned sample size, not under peeking."""
-    if len(a) < 2 or len(b) < 2:
-        return {"diff": None, "ci95": None, "p_value": None}
-    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    d = float(xa.mean() - xb.mean())
-    se = math.sqrt(xa.var(ddof=1) / len(xa) + xb.var(ddof=1) / len(xb))
-    p = math.erfc(abs(d) / se / math.sqrt(2)) if se > 0 else float(d == 0)
-    return {"diff": d, "ci95": [d - Z95 * se, d + Z95 * se], "p_value": p}
-
-
-def always_valid_ci(a: Sequence[float], b: Sequence[float], alpha: float = ALPHA) -> dict[str, Any]:
-    """mean(a) - mean(b) with its always-valid (1 - alpha) CI and p-value (the mSPRT of
-    :func:`steerserve.server.ab.stats.always_valid`; None where either side has n < 2): valid at every
-    look, so the verdict stands on it."""
-    av = ab_stats.always_valid(a, b, alpha)
-    return {
-        "diff": av["diff"],
-        "ci95": av["ci"],
-        "p_value": av["p_value"],
-        "method": f"always-valid (mSPRT, normal mixture, tau = {math.sqrt(ab_stats.TAU2):g})",
-        "alpha": alpha,
-    }
-
-
-def _arm_stats(rows: Iterable[Row]) -> dict[str, Any]:
-    rows = list(rows)
+def _arm_stats(f: Frame, mask: NDArray[np.bool_]) -> dict[str, Any]:
+    rows = [r for r, keep in zip(f.rows, mask, strict=True) if keep]
     lat = [r.latency_ms for r in rows if r.latency_ms is not None]
-    scored = [r.score for r in rows if r.score is not None]
     return {
         "requests": len(rows),
-        "score": mean_ci(scored),
+        "subjects": len(set(f.subjects[mask].tolist())),
+        "applied": sum(r.applied is True for r in rows),
+        "score": mean_ci([r.score for r in rows if r.score is not None]),
         "latency_ms": {
             "p50": float(np.percentile(lat, 50)) if lat else None,
             "p95": float(np.percentile(lat, 95)) if lat else None,
@@ -194,53 +244,141 @@ def _arm_stats(rows: Iterable[Row]) -> dict[str, Any]:
     }
 
 
-def verdict(
-    steered: Sequence[float],
-    unsteered: Sequence[float],
-    min_n: int = MIN_SCORED,
-    alpha: float = ALPHA,
-) -> str:
-    """One sentence: the winner, no difference, or too few samples to say (the always-valid CI
-    of the difference and its p-value: a verdict that holds however often it is read)."""
-    if min(len(steered), len(unsteered)) < min_n:
-        return (
+def _verdict(results: Mapping[str, Any], primary: str, min_n: int) -> tuple[str | None, str]:
+    """(winner, the sentence): the primary metric's call, withheld when the better arm is worse
+    on a guardrail."""
+    r = results.get(primary)
+    if r is None or r["status"] == "missing":
+        return None, f"no {primary} values yet: no winner"
+    if r["status"] == "too few":
+        n = r["n"]
+        return None, (
             f"too few scored replies to call a winner (need {min_n} per arm; steered "
-            f"{len(steered)}, unsteered {len(unsteered)})"
+            f"{n[STEERED]}, unsteered {n[UNSTEERED]})"
         )
-    d = always_valid_ci(steered, unsteered, alpha)
-    lo, hi = d["ci95"]
-    why = f"[{lo:.3g}, {hi:.3g}] always-valid, p = {d['p_value']:.2g}"
-    if lo > 0:
-        return f"steered wins: +{d['diff']:.3g} {why}"
-    if hi < 0:
-        return f"unsteered wins: steered {d['diff']:.3g} {why}"
-    return f"no significant difference: {d['diff']:+.3g} {why}"
+    why = f"{diff_text(r['difference'])} always-valid at {r['difference']['alpha']:.2g}"
+    better = r["better"]
+    if better is None:
+        return None, f"no significant difference on {primary}: {why}"
+    worse = [
+        name
+        for name, g in results.items()
+        if g["role"] == ab_metrics.GUARDRAIL and g["better"] not in (None, better)
+    ]
+    if worse:
+        return None, (
+            f"{better} is better on {primary} ({why}) but worse on the guardrail "
+            f"{', '.join(worse)}: no winner"
+        )
+    return better, f"{better} wins on {primary}: {why}"
 
 
-def winner(
-    steered: Sequence[float],
-    unsteered: Sequence[float],
-    min_n: int = MIN_SCORED,
-    alpha: float = ALPHA,
-) -> str | None:
-    """The arm :func:`verdict` calls the winner, or None (too few replies, or no difference)."""
-    if min(len(steered), len(unsteered)) < min_n:
-        return None
-    lo, hi = always_valid_ci(steered, unsteered, alpha)["ci95"]
-    return STEERED if lo > 0 else UNSTEERED if hi < 0 else None
-
-
-def _compare(rows: Sequence[Row], min_n: int) -> dict[str, Any]:
-    by_arm = {arm: [r for r in rows if r.arm == arm] for arm in (STEERED, UNSTEERED)}
-    s = [r.score for r in by_arm[STEERED] if r.score is not None]
-    u = [r.score for r in by_arm[UNSTEERED] if r.score is not None]
+def _group(
+    f: Frame,
+    mask: NDArray[np.bool_],
+    present: Sequence[ab_metrics.Metric],
+    primary: str,
+    alpha: float,
+    min_n: int,
+) -> dict[str, Any]:
+    results = {m.name: _metric(f, mask, m, alpha, min_n) for m in present}
+    winner, verdict = _verdict(results, primary, min_n)
+    empty = {"diff": None, "ci": None, "p_value": None}
+    p = results.get(primary, {})
     return {
-        "arms": {arm: _arm_stats(rs) for arm, rs in by_arm.items()},
-        "difference": always_valid_ci(s, u),
-        "fixed_horizon": {**diff_ci(s, u), "note": FIXED_HORIZON_NOTE},
-        "verdict": verdict(s, u, min_n),
-        "winner": winner(s, u, min_n),
+        "arms": {arm: _arm_stats(f, mask & (f.steered == (arm == STEERED))) for arm in ARMS},
+        "applied": applied_status(f, mask),
+        "metrics": results,
+        "primary": primary,
+        "difference": p.get("difference", empty),
+        "fixed_horizon": p.get("fixed_horizon", {**empty, "note": FIXED_HORIZON_NOTE}),
+        "verdict": verdict,
+        "winner": winner,
     }
+
+
+def applied_status(f: Frame, mask: NDArray[np.bool_]) -> dict[str, Any]:
+    """Whether the steered arm's steering was applied to the group's steered requests (``auto``
+    leaves a language it does not steer unsteered: those requests are no steered evidence)."""
+    flags = [r.applied for r, keep in zip(f.rows, mask & f.steered, strict=True) if keep]
+    done = sum(x is True for x in flags)
+    if not flags:
+        status = "no steered requests"
+    elif any(x is None for x in flags):
+        status = "unknown"  # a log from before the flag was recorded
+    else:
+        status = "applied" if done == len(flags) else "not applied" if done == 0 else "partly"
+    return {"steered_requests": len(flags), "applied": done, "status": status}
+
+
+def _sequence(f: Frame, mask: NDArray[np.bool_], m: ab_metrics.Metric, alpha: float) -> dict:
+    """The primary metric's confidence sequence over time (at most :data:`SEQUENCE_POINTS`
+    looks, from the first with 2 subjects in each arm): what the page draws."""
+    x = f.values(m.name)
+    a = ab_stats.running_moments(f.subjects, np.where(mask & f.steered, x, np.nan))
+    b = ab_stats.running_moments(f.subjects, np.where(mask & ~f.steered, x, np.nan))
+    looks = np.flatnonzero((a.n >= 2) & (b.n >= 2) & mask & ~np.isnan(x))
+    out: dict[str, Any] = {"metric": m.name, "alpha": alpha, "relative": m.relative}
+    out |= {k: [] for k in ("ts", "values", "diff", "lo", "hi")}
+    if looks.size == 0:
+        return out
+    at = looks[np.unique(np.linspace(0, looks.size - 1, SEQUENCE_POINTS).round().astype(int))]
+    pick = ab_stats.Moments(*(v[at] for v in a)), ab_stats.Moments(*(v[at] for v in b))
+    d, h, _ = ab_stats.always_valid_arrays(*pick, m.lo, m.hi, alpha, m.tau**2, m.relative)
+    out["ts"] = [f.rows[i].ts for i in at]
+    out["values"] = (pick[0].c + pick[1].c).astype(int).tolist()
+    out["diff"], out["lo"], out["hi"] = d.tolist(), (d - h).tolist(), (d + h).tolist()
+    return out
+
+
+def experiment_report(
+    rows: Sequence[Row], min_n: int, split: float | None, primary: str | None = None
+) -> dict[str, Any]:
+    """One experiment: overall (the languages where the steered arm was applied), per language,
+    the family's correction, the primary metric's sequence, the sample-ratio check."""
+    f = Frame.of(rows)
+    langs = sorted(set(f.language.tolist()))
+    masks = {lang: f.language == lang for lang in langs}
+    status = {lang: applied_status(f, masks[lang])["status"] for lang in langs}
+    left_out = [lang for lang in langs if status[lang] == "not applied"]
+    overall = (
+        ~np.isin(f.language, left_out) if len(left_out) < len(langs) else np.ones_like(f.steered)
+    )
+    present = [m for m in ab_metrics.registry().values() if not np.isnan(f.values(m.name)).all()]
+    names = [m.name for m in present]
+    primary = primary or (
+        ab_metrics.FEEDBACK if "feedback" in names else ab_metrics.PRIMARY_FALLBACK
+    )
+    groups = {mask.tobytes() for mask in (overall, *masks.values())}
+    size = max(len(present) * len(groups), 1)
+    alpha = ab_stats.family_alpha(ALPHA, size)
+    out = {
+        "overall": _group(f, overall, present, primary, alpha, min_n),
+        "per_language": {
+            lang: _group(f, masks[lang], present, primary, alpha, min_n) for lang in langs
+        },
+        "primary": primary,
+        "not_applied": left_out,
+        "unit": "subjects" if f.by_subject else "requests (no subject hashes in this log)",
+        "family": {
+            "method": FAMILY_METHOD,
+            "alpha": ALPHA,
+            "size": size,
+            "each": alpha,
+            "metrics": names,
+            "groups": len(groups),
+        },
+        "srm": sample_ratio(rows, split),
+    }
+    if primary in names:
+        m = ab_metrics.get(primary)
+        out["sequence"] = _sequence(f, overall, m, alpha)
+    for lang in left_out:
+        g = out["per_language"][lang]
+        g["verdict"] = (
+            f"steered arm not applied here (its prompts were answered unsteered): {g['verdict']}"
+        )
+    return out
 
 
 def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
@@ -248,10 +386,10 @@ def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
     subjects steered; None: not known, nothing tested). It counts distinct subjects per arm, the
     unit the split assigns (a heavy user's requests all land in one arm, so request counts would
     flag healthy splits); a log without subject hashes falls back to requests."""
-    requests = {arm: sum(r.arm == arm for r in rows) for arm in (STEERED, UNSTEERED)}
+    requests = {arm: sum(r.arm == arm for r in rows) for arm in ARMS}
     by_subject = all(r.subject_hash is not None for r in rows)
     if by_subject:
-        seen = {arm: {r.subject_hash for r in rows if r.arm == arm} for arm in (STEERED, UNSTEERED)}
+        seen = {arm: {r.subject_hash for r in rows if r.arm == arm} for arm in ARMS}
         counts = {arm: len(x) for arm, x in seen.items()}
         both = len(seen[STEERED] & seen[UNSTEERED])
     else:
@@ -282,269 +420,61 @@ def sample_ratio(rows: Sequence[Row], split: float | None) -> dict[str, Any]:
     return out
 
 
-#: The ``splits`` key of a split that holds for every experiment (``ab-report --split``).
-EVERY = "*"
-
-
 def build_report(
     rows: Sequence[Row],
     min_n: int = MIN_SCORED,
     ignored: Ignored | None = None,
     splits: Mapping[str, float] | None = None,
     store: Mapping[str, Any] | None = None,
+    primary: str | None = None,
 ) -> dict[str, Any]:
-    """The report of every experiment in ``rows``, overall and per detected language
-    (``ignored``: the log's lines it does not stand on, said in the report; ``skipped_lines``
-    is their total; ``splits``: the share of subjects steered by experiment name (:data:`EVERY`
-    for any experiment), for the sample-ratio check of those it names: the log does not record
-    it; ``store``: an experiment
-    store's own account of its replicas, records dropped before they reached it included)."""
+    """The report of every experiment in ``rows`` (``ignored``: the log's lines it does not
+    stand on, said in the report; ``splits``: the share of subjects steered by experiment name,
+    :data:`EVERY` for any, for the sample-ratio check; ``store``: an experiment store's own
+    account of its replicas; ``primary``: the metric the winner is called on, else feedback
+    where the experiment has any, else ``language_match``)."""
     ignored = ignored or Ignored()
     splits = splits or {}
-    enrolled = [r for r in rows if r.experiment and r.arm in (STEERED, UNSTEERED)]
+    enrolled = [r for r in rows if r.experiment and r.arm in ARMS]
     out: dict[str, Any] = {
         "requests": len(rows),
         "skipped_lines": ignored.total,
         "unreadable_lines": ignored.unreadable,
         "orphan_feedback_lines": ignored.orphan_feedback,
+        "unknown_metric_lines": ignored.unknown_metric,
         "not_enrolled": len(rows) - len(enrolled),
         "min_scored_per_arm": min_n,
         "alpha": ALPHA,
+        "metrics": [m.describe() for m in ab_metrics.registry().values()],
         "experiments": {},
     }
     if store is not None:
         out["store"] = dict(store)
-    for name in sorted({r.experiment for r in enrolled}):  # type: ignore[type-var]
-        mine = [r for r in enrolled if r.experiment == name]
-        langs = sorted({r.language or "unknown" for r in mine})
-        out["experiments"][name] = {
-            "overall": _compare(mine, min_n),
-            "per_language": {
-                lang: _compare([r for r in mine if (r.language or "unknown") == lang], min_n)
-                for lang in langs
-            },
-            "srm": sample_ratio(mine, splits.get(name, splits.get(EVERY))),
-        }
+    by_name: dict[str, list[Row]] = {}
+    for r in enrolled:
+        by_name.setdefault(r.experiment, []).append(r)  # type: ignore[arg-type]
+    for name in sorted(by_name):
+        split = splits.get(name, splits.get(EVERY))
+        out["experiments"][name] = experiment_report(by_name[name], min_n, split, primary)
     return out
 
 
-def _fmt(x: float | None, digits: int = 3) -> str:
-    return "–" if x is None else f"{x:.{digits}g}"
-
-
-def _ci(c: Sequence[float] | None) -> str:
-    return "–" if c is None else f"[{c[0]:.3g}, {c[1]:.3g}]"
-
-
-def _table(label: str, cmp: Mapping[str, Any]) -> list[str]:
-    lines = []
-    for arm in (STEERED, UNSTEERED):
-        a = cmp["arms"][arm]
-        sc, lat = a["score"], a["latency_ms"]
-        lines.append(
-            f"| {label} | {arm} | {a['requests']} | {sc['n']} | {_fmt(sc['mean'])} "
-            f"{_ci(sc['ci95'])} | {_fmt(lat['p50'], 4)} | {_fmt(lat['p95'], 4)} |"
-        )
-    d = cmp["difference"]
-    lines.append(f"| {label} | steered − unsteered | | | {_fmt(d['diff'])} {_ci(d['ci95'])} | | |")
-    return lines
-
-
-def report_markdown(rep: Mapping[str, Any]) -> str:
-    lines = [
-        "# A/B report",
-        "",
-        f"{rep['requests']} logged requests, {rep['not_enrolled']} not enrolled (no subject, "
-        f"explicit steering, or no experiment). A winner needs {rep['min_scored_per_arm']} "
-        "scored replies per arm and an always-valid 95 % CI of the difference (mSPRT) that "
-        "excludes 0: it stays valid however often the report is read, so it may be watched "
-        "live and the experiment stopped at any time.",
-    ]
-    if note := ignored_note(rep):
-        lines += ["", f"{note}."]
-    if (st := rep.get("store")) is not None:
-        lines += ["", store_line(st)]
-    if not rep["experiments"]:
-        lines += ["", "No enrolled requests in this log."]
-    for name, exp in rep["experiments"].items():
-        o = exp["overall"]
-        lines += ["", f"## Experiment `{name}`", ""]
-        if warning := srm_warning(exp.get("srm")):
-            lines += [f"**{warning}**", ""]
-        lines += [
-            f"**Verdict: {o['verdict']}.**",
-            "",
-            "- Steered − unsteered, always-valid (what the verdict stands on): "
-            f"{_diff_line(o['difference'])}.",
-            f"- Fixed-horizon view: {_diff_line(o['fixed_horizon'])}. "
-            f"{o['fixed_horizon']['note']}.",
-        ]
-        if "srm" in exp:
-            lines.append(f"- Sample ratio: {srm_line(exp['srm'])}.")
-        lines += [
-            "",
-            "| language | arm | requests | scored | mean score [95 % CI] | p50 ms | p95 ms |",
-            "|---|---|---|---|---|---|---|",
-            *_table("all", o),
-        ]
-        for lang, cmp in exp["per_language"].items():
-            lines += _table(lang, cmp)
-        lines += [
-            "",
-            "Arm rows: the mean with a fixed-horizon 95 % CI (a description of the arm); "
-            "difference rows: the always-valid 95 % CI.",
-            "",
-            "Per language:",
-        ]
-        lines += [f"- {lang}: {cmp['verdict']}" for lang, cmp in exp["per_language"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def _diff_line(d: Mapping[str, Any]) -> str:
-    if d["diff"] is None:
-        return "– (fewer than 2 scored replies in an arm)"
-    return f"{d['diff']:+.3g} {_ci(d['ci95'])}, p = {d['p_value']:.2g}"
-
-
-def srm_line(srm: Mapping[str, Any]) -> str:
-    """The sample-ratio check in words."""
-    c = srm["counts"]
-    line = f"{c[STEERED]} steered / {c[UNSTEERED]} unsteered {srm['unit']}"
-    if srm.get("subjects_in_both_arms"):
-        line += f" ({srm['subjects_in_both_arms']} in both arms)"
-    if srm["split"] is not None:
-        line += f", split {srm['split']:.3g} steered"
-    if srm["p_value"] is not None and srm["checked"]:
-        line += f": chi-square p = {srm['p_value']:.2g}"
-        line += " (mismatch)" if srm["flagged"] else " (no mismatch)"
-    elif note := srm.get("note"):
-        line += f": {note}"
-    return line
-
-
-def srm_warning(srm: Mapping[str, Any] | None) -> str | None:
-    """A loud line when the arms did not get the share of subjects the split assigns, else None:
-    then no number below can be trusted, a winner least of all."""
-    if not srm or not srm["flagged"]:
-        return None
-    return (
-        f"WARNING: SAMPLE RATIO MISMATCH (p < {srm['alpha']:g}): {srm_line(srm)}. The arms did "
-        "not get the share the split assigns (requests failing or not logged in one arm, a "
-        "changed split, bots): find the cause before trusting any result below"
-    )
-
-
-def ignored_note(rep: Mapping[str, Any]) -> str | None:
-    """What the report left out of the log and why (or, from a store, what never reached it),
-    or None: the log needs a look when any."""
-    notes = []
-    if rep.get("skipped_lines"):
-        why = []
-        if n := rep.get("unreadable_lines"):
-            why.append(f"{n} unreadable line(s)")
-        if n := rep.get("orphan_feedback_lines"):
-            why.append(f"{n} feedback line(s) for an answer with no decision in the log")
-        notes.append(f"{rep['skipped_lines']} line(s) of the log skipped: {', '.join(why)}")
-    if dropped := (rep.get("store") or {}).get("dropped"):
-        notes.append(
-            f"{dropped} record(s) dropped by the servers before they reached the store (a full "
-            "queue while it was unreachable, feedback over the cap): not in these numbers"
-        )
-    return "; ".join(notes) or None
-
-
-def store_line(st: Mapping[str, Any]) -> str:
-    """An experiment store's account in one sentence."""
-    line = (
-        f"Experiment store {st['url']}: {st['replicas']} server process(es) wrote "
-        f"{st['written']} records"
-    )
-    if st.get("queued"):
-        line += f"; {st['queued']} were still queued at their last write"
-    return line + "."
-
-
 def report(
-    source: str | Path | Store, min_n: int = MIN_SCORED, splits: Mapping[str, float] | None = None
+    source: str | Path | Store,
+    min_n: int = MIN_SCORED,
+    splits: Mapping[str, float] | None = None,
+    primary: str | None = None,
 ) -> dict[str, Any]:
     """The report of a decision log (a path) or an experiment store (its URL, or the server's
     open store): what ``steerserve ab-report`` prints and the server's ``/experiments`` page
-    shows (one code path for both; the server passes its experiment's split in ``splits`` for
-    the sample-ratio check). ValueError: a store URL that cannot be read."""
+    shows (one code path for both). ValueError: a store URL that cannot be read."""
     from steerserve.server.ab import store as ab_store
 
     if isinstance(source, ab_store.Store):
         rows, ignored = scan_records(source.records())
-        return build_report(rows, min_n, ignored, splits, store=source.status())
+        return build_report(rows, min_n, ignored, splits, store=source.status(), primary=primary)
     if ab_store.is_store_url(source):
         with ab_store.open_store(str(source), migrate=False) as store:
-            return report(store, min_n, splits)
+            return report(store, min_n, splits, primary)
     rows, ignored = scan_log(source)
-    return build_report(rows, min_n=min_n, ignored=ignored, splits=splits)
-
-
-#: The formats :func:`render` writes, and their media types.
-FORMATS = {"md": "text/markdown; charset=utf-8", "json": "application/json", "png": "image/png"}
-
-
-def render(rep: Mapping[str, Any], fmt: str) -> bytes:
-    """``rep`` as report.md, report.json or report.png (see :data:`FORMATS`)."""
-    if fmt == "md":
-        return report_markdown(rep).encode()
-    if fmt == "json":
-        return (json.dumps(_finite(rep), indent=2, allow_nan=False) + "\n").encode()
-    if fmt == "png":
-        buf = io.BytesIO()
-        plot(rep, buf)
-        return buf.getvalue()
-    raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
-
-
-def _finite(v: Any) -> Any:
-    """``v`` with non-finite floats as None: JSON has no NaN or Infinity."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, Mapping):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
-
-
-def plot(rep: Mapping[str, Any], path: str | Path | IO[bytes]) -> None:
-    """Mean score per language and arm with 95 % CIs, one panel per experiment."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    exps = list(rep["experiments"].items()) or [("(none)", None)]
-    fig, axes = plt.subplots(len(exps), 1, figsize=(8, 3.2 * len(exps)), squeeze=False)
-    for ax, (name, exp) in zip(axes[:, 0], exps, strict=True):
-        ax.set_title(f"experiment {name}")
-        if exp is None:
-            continue
-        groups = {"all": exp["overall"], **exp["per_language"]}
-        xs = np.arange(len(groups))
-        for k, arm in enumerate((STEERED, UNSTEERED)):
-            means, errs = [], []
-            for cmp in groups.values():
-                sc = cmp["arms"][arm]["score"]
-                means.append(np.nan if sc["mean"] is None else sc["mean"])
-                errs.append(0.0 if sc["ci95"] is None else (sc["ci95"][1] - sc["ci95"][0]) / 2)
-            ax.bar(xs + (k - 0.5) * 0.38, means, 0.38, yerr=errs, capsize=3, label=arm)
-        ax.set_xticks(xs, list(groups))
-        ax.set_ylabel("mean score")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, format="png")
-    plt.close(fig)
-
-
-def write_report(rep: Mapping[str, Any], out_dir: str | Path) -> Path:
-    """report.json, report.md and report.png in ``out_dir``; returns the markdown's path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for fmt in FORMATS:
-        (out / f"report.{fmt}").write_bytes(render(rep, fmt))
-    return out / "report.md"
+    return build_report(rows, min_n, ignored, splits, primary=primary)

@@ -13,7 +13,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import stat
 import threading
@@ -21,10 +20,12 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from steerserve.server.ab import metrics as ab_metrics
+from steerserve.server.ab.metrics import FEEDBACK
 from steerserve.server.answers import ExperimentInfo
 from steerserve.server.steering import Auto, Off, On, SteeringSpec
 
@@ -37,9 +38,6 @@ UNENROLLED = "unenrolled"
 SUBJECT_HEADER = "x-steerserve-subject"
 #: Completion ids remembered for feedback (oldest forgotten first).
 MAX_REMEMBERED = 200_000
-#: The range of a feedback score (1 thumbs up, 0 or -1 down, a rating scaled into it): bounded,
-#: so one client cannot swamp an arm's mean (or overflow it to infinity in the report).
-SCORE_MIN, SCORE_MAX = -1.0, 1.0
 #: Scores accepted per answer: the last one counts (a changed vote); past this, 429.
 MAX_FEEDBACK_PER_ID = 5
 
@@ -59,15 +57,6 @@ class LogUnwritable(Exception):
 class StoreUnavailable(Exception):
     """The experiment store (``--ab-store``) cannot be reached now, or its queue here is full:
     a retry may succeed."""
-
-
-def check_score(score: Any) -> float:
-    """A feedback score as a float in [SCORE_MIN, SCORE_MAX]; ValueError otherwise."""
-    if isinstance(score, bool) or not isinstance(score, int | float):
-        raise ValueError(f"score: must be a number, got {type(score).__name__}")
-    if not (math.isfinite(score) and SCORE_MIN <= score <= SCORE_MAX):
-        raise ValueError(f"score: must be a number in [{SCORE_MIN:g}, {SCORE_MAX:g}]")
-    return float(score)
 
 
 def header_subject(raw: str) -> str:
@@ -308,14 +297,16 @@ class Decisions:
         with self._lock:
             return self._seen.get(rid)
 
-    def feedback(self, rid: str, score: float) -> dict[str, Any]:
-        """Append feedback for a known id; the last of an id's scores counts. ``KeyError``:
-        unknown id; :class:`DecisionNotLogged`: its decision line was lost; ``ValueError``: bad
-        score; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line was
-        not written (the score is lost, so say so)."""
-        score = check_score(score)
+    def feedback(self, rid: str, score: float, metric: str = FEEDBACK) -> dict[str, Any]:
+        """Append feedback for a known id; the last of an id's scores per metric counts.
+        ``KeyError``: unknown id; :class:`DecisionNotLogged`: its decision line was lost;
+        ``MetricError`` (a ValueError naming its field): a metric not in the registry, one the
+        server measures itself, or a score out of the metric's range, checked before anything is
+        written; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line
+        was not written (the score is lost, so say so)."""
+        score = ab_metrics.feedback_metric(metric).check(score)
         if self.store is not None:
-            return self._stored_feedback(rid, score)
+            return self._stored_feedback(rid, score, metric)
         known = self.get(rid)
         if known is None:
             with self._lock:
@@ -325,14 +316,14 @@ class Decisions:
             if self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
                 raise FeedbackLimit(rid)
             self._scored[rid] = self._scored.get(rid, 0) + 1
-        line = {"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score}
+        line = _feedback_line(rid, score, metric)
         if not self.log.write(line):
             with self._lock:
                 self._scored[rid] -= 1
             raise LogUnwritable(str(self.log.path))
         return known
 
-    def _stored_feedback(self, rid: str, score: float) -> dict[str, Any]:
+    def _stored_feedback(self, rid: str, score: float, metric: str) -> dict[str, Any]:
         """Feedback with a store: straight into it (any replica's answer; the cap counted
         there), unless a record of ``rid`` still waits in this replica's queue or the store is
         unreachable and this replica answered ``rid``: then it queues behind, the cap counted
@@ -342,7 +333,7 @@ class Decisions:
             lost = rid in self._lost
         if known is None and lost:
             raise DecisionNotLogged(rid)
-        rec = {"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score}
+        rec = _feedback_line(rid, score, metric)
         rec["fid"] = uuid.uuid4().hex  # the same score written twice (a retry) counts once
         if known is None or not self.store.holds(rid):
             try:
@@ -372,6 +363,12 @@ class Decisions:
             self._scored[rid] = self._scored.get(rid, 0) + 1
 
 
+def _feedback_line(rid: str, score: float, metric: str) -> dict[str, Any]:
+    """A feedback record; the human score's without a ``metric`` key (as logs before metrics)."""
+    rec = {"type": "feedback", "ts": round(time.time(), 3), "id": rid, "score": score}
+    return rec if metric == FEEDBACK else rec | {"metric": metric}
+
+
 def _line(rec: dict[str, Any]) -> dict[str, Any]:
     """A feedback record as the JSONL log's line (the store's idempotency key left out)."""
     return {k: v for k, v in rec.items() if k != "fid"}
@@ -386,10 +383,13 @@ class Enrolled:
     rid: str = ""
     decision: dict[str, Any] | None = None
     replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
+    finished: dict[tuple[int, int], str | None] = field(default_factory=dict)  # finish reasons
     preset: str | None = None  # the steered arm's preset (--ab-preset)
 
     def add_replies(self, i: int, out: Any) -> None:
-        """A streamed step's text deltas of prompt ``i``."""
+        """A streamed step's text deltas of prompt ``i`` (and each choice's finish reason), for
+        the reply's automatic metrics and, with --ab-log-content, the log."""
         assert self.replies is not None
         for c in out.outputs:
             self.replies[i, c.index] = self.replies.get((i, c.index), "") + c.text
+            self.finished[i, c.index] = getattr(c, "finish_reason", None)

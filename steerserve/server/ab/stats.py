@@ -1,53 +1,60 @@
-"""Statistics for an A/B experiment that people watch while it runs.
+"""Statistics for an A/B experiment that people watch while it runs, at the unit the split
+randomises: the subject (user), not the reply.
 
-A fixed-horizon test (a Welch 95 % CI read once at a planned sample size) is only valid when read
-once: the ``/experiments`` page refreshes every 2 s, and calling a winner at the first look whose
-CI excludes 0 finds false winners far more often than 5 % (tests/test_ab_stats.py measures it).
-This module gives the numbers that stay valid however often they are read:
+Arms are sticky per subject, so one heavy user's replies move together: counted as independent
+replies, a test of 40 users x 50 replies called a false winner in half of A/A runs (measured in
+tests/test_ab_simulation.py). Every metric here is a ratio metric: per subject i the sum S_i of
+its values and their count N_i, the arm's mean sum(S) / sum(N), and its variance by the delta
+method (Deng et al., "Applying the delta method in metric analytics", 2018; the same as a
+cluster-robust variance with subjects as clusters), each arm's own (unpooled: v_a + v_b, so an
+uneven split with unequal variances keeps its level).
 
-- :func:`always_valid`: a mixture sequential probability ratio test (mSPRT; Robbins 1970; Johari,
-  Koomen, Pekelis and Walsh, "Always valid inference", 2017/2022; Optimizely's Stats Engine) for
-  mean(steered) - mean(unsteered): an always-valid p-value and its confidence sequence, an
-  interval that covers the true difference at every sample size at once with probability 0.95.
-- :func:`srm`: a sample-ratio-mismatch check (the arms got the share of subjects the split
+- :func:`always_valid_arrays`: a mixture sequential probability ratio test (mSPRT; Robbins 1970;
+  Johari, Koomen, Pekelis and Walsh, "Always valid inference", 2017/2022) for the difference of
+  the arms: an always-valid p-value and its confidence sequence, an interval that covers the true
+  difference at every sample size at once with probability 1 - alpha, so a live page may be
+  read at every refresh and the experiment stopped at any time.
+- :func:`family_alpha`: Bonferroni over the verdicts of one experiment (languages x metrics): the
+  always-valid p-values are valid at every look, so the union bound holds over every look too.
+- :func:`running_moments`: the per-subject sums after every reply (a confidence sequence over
+  time, and the simulations, which peek at every reply through the same code).
+- :func:`srm`: a sample-ratio-mismatch check (did the arms get the share of subjects the split
   assigns?), since a broken assignment or a logging loss in one arm biases any comparison.
 
-Pure numpy and math; every function takes arrays too (a simulation runs thousands of experiments
-at once through the same code the report uses).
+Pure numpy and scipy; every function takes arrays (a simulation runs thousands of experiments at
+once through the code the report uses).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-#: Significance level of the always-valid test: the chance of ever calling a false winner.
+F = NDArray[np.float64]
+
+#: Significance level of the family of verdicts: the chance of ever calling any false winner.
 ALPHA = 0.05
-#: Variance of the normal mixture over the true difference (in score units squared; tau = 0.15).
-#: The mSPRT is most sensitive to differences of about tau at the sample size where the experiment
-#: is decided: its threshold is lowest where tau^2 is about 10x the variance of the estimated
-#: difference, and nearly flat around it. Feedback scores lie in [-1, 1], so a steering change
-#: worth detecting moves the mean by about 0.05-0.3; with per-reply score variance 0.25 ({0, 1}
-#: thumbs) to 1 ({-1, 1}) and 100-1000 scored replies per arm, 0.15^2 sits within a few % of the
-#: best threshold over that whole range. A tau chosen from the data would void the guarantee.
+#: Variance of the normal mixture over the true difference, in the units of a score in [-1, 1]
+#: (tau = 0.15). The mSPRT is most sensitive to differences of about tau at the sample size where
+#: the experiment is decided; a steering change worth detecting moves a mean by 0.05-0.3, and
+#: 0.15^2 sits within a few % of the best threshold over that range. A metric may declare its own
+#: (a relative one: 0.1, a 10 % change). A tau chosen from the data would void the guarantee.
 TAU2 = 0.15**2
-#: The range of a feedback score (the server's ``SCORE_MIN``, ``SCORE_MAX``): it bounds the
-#: variance a score can have, which is what keeps the plug-in honest on a handful of replies.
-SCORE_LO, SCORE_HI = -1.0, 1.0
-#: Weight, in degrees of freedom, of the worst-case variance the plug-in estimate is shrunk
-#: toward (see :func:`pooled_variance`). Without it two replies per arm, all 1 against all 0,
-#: estimate variance 0 and call a "certain" winner: peeking at every reply from 2 per arm up to
-#: 200 then found false winners in 16 % of simulated A/A runs; with 4, in 1.7 % (the report lets
-#: the display floor go down to 2). Past ~30 replies per arm the estimate is the data's: power
-#: for 0.65 vs 0.5 thumbs-up within 500 per arm is 97.4 % either way (tests/test_ab_stats.py).
+#: Weight, in degrees of freedom (subjects - 1), of the worst-case variance a bounded metric's
+#: plug-in estimate is shrunk toward (:func:`ratio`). Without it two replies per arm, all 1
+#: against all 0, estimate variance 0 and call a "certain" winner; with it a handful of subjects
+#: are judged as if every subject's replies were one (an ICC of 1), and past ~30 subjects the
+#: estimate is the data's.
 PRIOR_DF = 4.0
-#: Floor of the plug-in score variance, for scores all at one end of the range (where even the
-#: worst case is 0): an interval then never shrinks to a point. 0.01: a standard deviation of 0.1.
+#: Floor of a bounded metric's per-reply variance, for values all at one end of the range: an
+#: interval then never shrinks to a point. 0.01: a standard deviation of 0.1.
 VAR_FLOOR = 0.01
+#: The same floor for an unbounded metric (latency), relative to its mean: a 1 % spread.
+REL_FLOOR = 0.01
 #: A sample ratio mismatch is flagged below this chi-square p-value: strict, because the check
 #: runs on every refresh and a false alarm stops a healthy experiment (the common industry value).
 SRM_ALPHA = 0.001
@@ -56,28 +63,100 @@ SRM_ALPHA = 0.001
 SRM_MIN_EXPECTED = 5.0
 
 
-def pooled_variance(
-    n_a: ArrayLike,
-    mean_a: ArrayLike,
-    var_a: ArrayLike,
-    n_b: ArrayLike,
-    mean_b: ArrayLike,
-    var_b: ArrayLike,
-) -> NDArray[np.float64]:
-    """The per-reply score variance the mSPRT plugs in: the two arms pooled (under the null they
-    share one distribution, so one estimate from both is the steadier), shrunk with
-    :data:`PRIOR_DF` degrees of freedom toward the largest variance a score in [SCORE_LO,
-    SCORE_HI] with the pooled mean can have ((hi - m)(m - lo), Bhatia-Davis), floored at
-    :data:`VAR_FLOOR`. ``var_*`` with ddof=1; counts >= 2."""
-    n_a, n_b = np.asarray(n_a, dtype=float), np.asarray(n_b, dtype=float)
-    df = n_a + n_b - 2
-    pooled = ((n_a - 1) * np.asarray(var_a) + (n_b - 1) * np.asarray(var_b)) / df
-    m = (n_a * np.asarray(mean_a) + n_b * np.asarray(mean_b)) / (n_a + n_b)
-    worst = np.maximum((SCORE_HI - m) * (m - SCORE_LO), 0.0)
-    return np.maximum((PRIOR_DF * worst + df * pooled) / (PRIOR_DF + df), VAR_FLOOR)
+class Moments(NamedTuple):
+    """One arm's sufficient statistics at the unit of randomisation: ``n`` subjects with at least
+    one value, and over those subjects the sums of S (a subject's total), N (its count of values),
+    S^2, N^2 and S*N. Each field an array (one experiment or many, one look or every look)."""
+
+    n: F
+    s: F
+    c: F
+    ss: F
+    cc: F
+    sc: F
 
 
-def log_mixture_lr(diff: ArrayLike, v: ArrayLike, tau2: float = TAU2) -> NDArray[np.float64]:
+def running_moments(subjects: ArrayLike, values: ArrayLike) -> Moments:
+    """:class:`Moments` after each reply, along the last axis (replies in arrival order);
+    ``values`` NaN where a reply has none (another arm's, or not scored), ``subjects`` any
+    integer ids. Vectorised: each subject's running totals come from one stable sort."""
+    x = np.asarray(values, dtype=float)
+    subj = np.broadcast_to(np.asarray(subjects), x.shape)
+    ok = ~np.isnan(x)
+    y, one = np.where(ok, x, 0.0), ok.astype(float)
+    order = np.argsort(subj, axis=-1, kind="stable")
+    ys, os_ = np.take_along_axis(y, order, -1), np.take_along_axis(one, order, -1)
+    keys = np.take_along_axis(subj, order, -1)
+    starts = np.ones(x.shape, dtype=bool)
+    starts[..., 1:] = keys[..., 1:] != keys[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, np.arange(x.shape[-1]), 0), axis=-1)
+    cy, co = np.cumsum(ys, -1) - ys, np.cumsum(os_, -1) - os_  # exclusive: before this reply
+    s_prev_sorted = cy - np.take_along_axis(cy, first, -1)
+    n_prev_sorted = co - np.take_along_axis(co, first, -1)
+    s_prev, n_prev = np.empty_like(y), np.empty_like(y)
+    np.put_along_axis(s_prev, order, s_prev_sorted, -1)
+    np.put_along_axis(n_prev, order, n_prev_sorted, -1)
+    steps = (
+        one * (n_prev == 0),
+        y,
+        one,
+        2 * s_prev * y + y * y,
+        one * (2 * n_prev + 1),
+        one * (s_prev + y * n_prev + y),
+    )
+    return Moments(*(np.cumsum(d, -1) for d in steps))
+
+
+def moments(subjects: ArrayLike, values: ArrayLike) -> Moments:
+    """:class:`Moments` of all the replies (the last look of :func:`running_moments`)."""
+    m = running_moments(subjects, values)
+    return Moments(*(f[..., -1] for f in m))
+
+
+def ratio(
+    m: Moments, lo: float = -1.0, hi: float = 1.0, center: ArrayLike | None = None
+) -> tuple[F, F]:
+    """(mean, variance of the mean) of one arm: sum(S) / sum(N) and its delta-method variance
+    n / (n - 1) * sum((S_i - R N_i)^2) / sum(N)^2. A bounded metric's (``lo``, ``hi`` finite)
+    is shrunk with :data:`PRIOR_DF` toward the largest it can be, every subject's values alike
+    ((hi - m)(m - lo) sum(N^2) / sum(N)^2, Bhatia-Davis at an ICC of 1, at ``center``: the
+    mean of both arms, which the null says they share; default the arm's own), and floored at
+    :data:`VAR_FLOOR` per reply; an unbounded one's is the data's (NaN below 2 subjects),
+    floored at :data:`REL_FLOOR` of its mean."""
+    n, c = np.asarray(m.n, dtype=float), np.asarray(m.c, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = m.s / c
+        at = r if center is None else np.asarray(center, dtype=float)
+        design = m.cc / (c * c)  # 1 / the effective number of replies
+        resid = np.maximum(m.ss - 2 * r * m.sc + r * r * m.cc, 0.0)
+        emp = np.where(n >= 2, n / (n - 1) * resid / (c * c), np.nan)
+        if math.isfinite(lo) and math.isfinite(hi):
+            worst = np.maximum((hi - at) * (at - lo), 0.0) * design
+            df = np.maximum(n - 1, 0)
+            v = (PRIOR_DF * worst + df * np.nan_to_num(emp)) / (PRIOR_DF + df)
+            v = np.maximum(v, VAR_FLOOR * design)
+        else:
+            v = np.maximum(emp, (REL_FLOOR * r) ** 2 * design)
+    return r, v
+
+
+def difference(
+    a: Moments, b: Moments, lo: float = -1.0, hi: float = 1.0, relative: bool = False
+) -> tuple[F, F]:
+    """(a - b, its variance), unpooled: each arm's own variance (shrunk toward the worst case at
+    the mean of both); ``relative``: a / b - 1 by the delta method (for a positive metric on a
+    ratio scale, latency)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        both = (a.s + b.s) / (a.c + b.c)
+    ma, va = ratio(a, lo, hi, both)
+    mb, vb = ratio(b, lo, hi, both)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if relative:
+            return ma / mb - 1, va / mb**2 + ma**2 * vb / mb**4
+    return ma - mb, va + vb
+
+
+def log_mixture_lr(diff: ArrayLike, v: ArrayLike, tau2: float = TAU2) -> F:
     """log of the mSPRT statistic: the likelihood ratio of "difference ~ N(0, tau2)" against
     "difference = 0" for an estimate ``diff`` of variance ``v``. Under the null its exponential is
     a martingale of mean 1, so (Ville) it ever reaches 1/alpha with probability <= alpha."""
@@ -85,7 +164,7 @@ def log_mixture_lr(diff: ArrayLike, v: ArrayLike, tau2: float = TAU2) -> NDArray
     return 0.5 * np.log(v / (v + tau2)) + diff**2 * tau2 / (2 * v * (v + tau2))
 
 
-def half_width(v: ArrayLike, alpha: float = ALPHA, tau2: float = TAU2) -> NDArray[np.float64]:
+def half_width(v: ArrayLike, alpha: float = ALPHA, tau2: float = TAU2) -> F:
     """Half-width of the confidence sequence: the differences d whose mSPRT against ``diff - d``
     stays below 1/alpha (the interval the p-value inverts: 0 is outside it iff p <= alpha)."""
     v = np.asarray(v, dtype=float)
@@ -93,40 +172,90 @@ def half_width(v: ArrayLike, alpha: float = ALPHA, tau2: float = TAU2) -> NDArra
 
 
 def always_valid_arrays(
-    n_a: ArrayLike,
-    mean_a: ArrayLike,
-    var_a: ArrayLike,
-    n_b: ArrayLike,
-    mean_b: ArrayLike,
-    var_b: ArrayLike,
+    a: Moments,
+    b: Moments,
+    lo: float = -1.0,
+    hi: float = 1.0,
     alpha: float = ALPHA,
     tau2: float = TAU2,
-) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
-    """(difference, half-width, p-value) of mean_a - mean_b from each arm's count, mean and
-    variance (ddof=1; counts >= 2), elementwise over arrays. The p-value is 1/Lambda at this
-    sample (capped at 1): not the running minimum over earlier looks, which a report rebuilt from
-    the log does not know; it is always valid all the same (P(ever <= alpha) <= alpha), only not
-    monotone: a winner called on a lucky streak can be uncalled as the evidence fades."""
-    n_a, n_b = np.asarray(n_a, dtype=float), np.asarray(n_b, dtype=float)
-    v = pooled_variance(n_a, mean_a, var_a, n_b, mean_b, var_b) * (1 / n_a + 1 / n_b)
-    diff = np.asarray(mean_a, dtype=float) - np.asarray(mean_b, dtype=float)
-    p = np.minimum(1.0, np.exp(-log_mixture_lr(diff, v, tau2)))
-    return diff, half_width(v, alpha, tau2), p
+    relative: bool = False,
+) -> tuple[F, F, F]:
+    """(difference, half-width, p-value) of arm a against arm b at the subject level, elementwise
+    over arrays (NaN where an arm has no subject, or an unbounded metric fewer than 2). The
+    p-value is 1/Lambda at this look (capped at 1): not the running minimum over earlier looks,
+    which a report rebuilt from the log does not know; it is always valid all the same
+    (P(ever <= alpha) <= alpha), only not monotone."""
+    diff, v = difference(a, b, lo, hi, relative)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.minimum(1.0, np.exp(-log_mixture_lr(diff, v, tau2)))
+        return diff, half_width(v, alpha, tau2), p
+
+
+def fixed_horizon(
+    a: Moments, b: Moments, lo: float = -1.0, hi: float = 1.0, relative: bool = False
+) -> tuple[F, F, F]:
+    """(difference, 95 % half-width, two-sided p-value) of a normal-approximation test on the
+    same subject-level variance: valid only when read once, at a sample size planned ahead."""
+    from scipy.stats import norm
+
+    diff, v = difference(a, b, lo, hi, relative)
+    se = np.sqrt(v)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return diff, norm.ppf(0.975) * se, 2 * norm.sf(np.abs(diff) / se)
+
+
+def family_alpha(alpha: float, size: int) -> float:
+    """Each verdict's level in a family of ``size`` (Bonferroni): every look at every verdict
+    together calls a false winner with probability <= ``alpha``."""
+    return alpha / max(size, 1)
+
+
+def decide(diff: ArrayLike, half: ArrayLike, enough: ArrayLike) -> NDArray[np.int8]:
+    """The verdict at each look: +1 (a above b), -1 (below) where there are ``enough`` values
+    and the interval excludes 0, else 0. One rule for the report and the simulations."""
+    d, h = np.asarray(diff, dtype=float), np.asarray(half, dtype=float)
+    with np.errstate(invalid="ignore"):
+        called = np.asarray(enough, dtype=bool) & (np.abs(d) > h)
+    return np.where(called, np.sign(d), 0).astype(np.int8)
+
+
+def scale_needed(v: float, effect: float, alpha: float = ALPHA, tau2: float = TAU2) -> float:
+    """How many times the data so far (subjects in both arms, at the same split and replies per
+    subject) the confidence sequence needs to be narrower than ``effect``: an effect that large
+    would then be called. 1 or less: enough already."""
+    from scipy.optimize import brentq
+
+    if not (math.isfinite(v) and v > 0 and effect > 0):
+        return math.nan
+    if float(half_width(v, alpha, tau2)) <= effect:
+        return 1.0
+    f = lambda log_k: float(half_width(v / math.exp(log_k), alpha, tau2)) - effect  # noqa: E731
+    return math.exp(brentq(f, 0.0, 60.0))
 
 
 def always_valid(
-    a: Sequence[float], b: Sequence[float], alpha: float = ALPHA, tau2: float = TAU2
+    a: Sequence[float],
+    b: Sequence[float],
+    alpha: float = ALPHA,
+    tau2: float = TAU2,
+    subjects_a: Sequence[Any] | None = None,
+    subjects_b: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """mean(a) - mean(b) with its always-valid p-value and (1 - alpha) confidence sequence,
-    ``ci`` (None where either side has fewer than 2 values)."""
+    """mean(a) - mean(b) of scores in [-1, 1] with its always-valid p-value and (1 - alpha)
+    confidence sequence ``ci``, each reply its own subject unless ``subjects_*`` say whose it is
+    (None where either side has fewer than 2 values)."""
     if len(a) < 2 or len(b) < 2:
         return {"diff": None, "ci": None, "p_value": None}
-    xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    d, h, p = always_valid_arrays(
-        len(xa), xa.mean(), xa.var(ddof=1), len(xb), xb.mean(), xb.var(ddof=1), alpha, tau2
-    )
-    d, h = float(d), float(h)
-    return {"diff": d, "ci": [d - h, d + h], "p_value": float(p)}
+    ma = moments(_codes(subjects_a, len(a)), np.asarray(a, dtype=float))
+    mb = moments(_codes(subjects_b, len(b)), np.asarray(b, dtype=float))
+    d, h, p = (float(x) for x in always_valid_arrays(ma, mb, alpha=alpha, tau2=tau2))
+    return {"diff": d, "ci": [d - h, d + h], "p_value": p}
+
+
+def _codes(subjects: Sequence[Any] | None, n: int) -> NDArray[np.int64]:
+    if subjects is None:
+        return np.arange(n)
+    return np.unique(np.asarray(subjects, dtype=object).astype(str), return_inverse=True)[1]
 
 
 def srm_p_value(n_a: int, n_b: int, split: float) -> float | None:

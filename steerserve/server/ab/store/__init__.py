@@ -58,6 +58,9 @@ def open_store(url: str, migrate: bool = True) -> Store:
         store = _backend(url, scheme)
     except StoreError as e:
         raise ValueError(str(e)) from None
+    path = getattr(store, "path", None)
+    if not migrate and path is not None and not path.is_file():  # a reader never creates one
+        raise ValueError(f"{safe}: no such file: {str(path)!r} (no experiment store there)")
     try:
         if migrate:
             _migrate(store, scheme)

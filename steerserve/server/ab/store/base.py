@@ -242,9 +242,11 @@ class Store:
         if row is None:
             cur.execute(f"SELECT 1 FROM {DECISIONS} WHERE id = ?", (rid,))
             raise KeyError(rid) if cur.fetchone() is None else FeedbackLimit(rid)
+        metric = rec.get("metric")
         cur.execute(
-            f"INSERT INTO {FEEDBACK} (fid, id, ts, score, replica) VALUES (?, ?, ?, ?, ?)",
-            (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica),
+            f"INSERT INTO {FEEDBACK} (fid, id, ts, score, replica, metric) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica, metric),
         )
         return schema.known(row)
 
@@ -256,12 +258,13 @@ class Store:
         with self._tx() as cur:
             cur.execute(f"SELECT id, {', '.join(COLUMNS)}, extra FROM {DECISIONS} ORDER BY ts, id")
             decisions = cur.fetchall()
-            cur.execute(f"SELECT id, ts, score FROM {FEEDBACK} ORDER BY seq")
+            cur.execute(f"SELECT id, ts, score, metric FROM {FEEDBACK} ORDER BY seq")
             feedback = cur.fetchall()
         for row in decisions:
             yield schema.record(row)
-        for rid, ts, score in feedback:
-            yield {"type": "feedback", "ts": ts, "id": rid, "score": score}
+        for rid, ts, score, metric in feedback:
+            rec = {"type": "feedback", "ts": ts, "id": rid, "score": score}
+            yield rec if metric is None else rec | {"metric": metric}
 
     def recent(self, n: int) -> list[dict[str, Any]]:
         """The latest ``n`` decisions that kept their reply (--ab-log-content), newest first,
@@ -269,8 +272,8 @@ class Store:
         with self._tx() as cur:
             cur.execute(
                 f"SELECT d.id, d.ts, d.experiment, d.arm, d.language, d.prompt, d.reply, "
-                f"(SELECT f.score FROM {FEEDBACK} f WHERE f.id = d.id ORDER BY f.seq DESC "
-                f"LIMIT 1) FROM {DECISIONS} d WHERE d.reply IS NOT NULL "
+                f"(SELECT f.score FROM {FEEDBACK} f WHERE f.id = d.id AND f.metric IS NULL "
+                f"ORDER BY f.seq DESC LIMIT 1) FROM {DECISIONS} d WHERE d.reply IS NOT NULL "
                 "ORDER BY d.ts DESC LIMIT ?",
                 (n,),
             )

@@ -62,6 +62,8 @@ MIGRATIONS: list[list[str]] = [
             written BIGINT NOT NULL DEFAULT 0, queued BIGINT NOT NULL DEFAULT 0,
             dropped BIGINT NOT NULL DEFAULT 0)""",
     ],
+    # 2: feedback names its metric (NULL: the human score, ``feedback``, as before)
+    [f"ALTER TABLE {FEEDBACK} ADD COLUMN metric TEXT"],
 ]
 
 

@@ -1,0 +1,172 @@
+"""Issue 56, item 5: the A/B verdicts hold on traffic shaped like real traffic.
+
+Seeded A/A experiments (both arms one distribution: every winner is false) with users whose
+replies are correlated (ICC 0 to 1/3), heavy users (40 users x 50 replies), uneven splits with
+unequal variances, a latency guardrail, and 5 languages x 3 metrics, each verdict of the family
+read at EVERY reply (continuous peeking) by the report's rule through the public functions
+(``stats.running_moments`` -> ``stats.always_valid_arrays`` at ``stats.family_alpha`` ->
+``stats.decide``): false winners <= 5 % in every scenario, the binomial 95 % interval's upper
+end included. Power is stated at the user level. And the acceptance logs through
+``steerserve ab-report``: 60 A/A experiments of 40 correlated users x 50 replies call a winner in
+at most 6; 20 with a real effect (+0.3, 400 users x 5) call "steered" in at least 18, never
+"unsteered".
+
+``python tests/test_ab_simulation.py`` prints the table docs/ab.md shows.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _ab_sim import EFFECT, NULL, Scenario, Sim, uniform_users, write_log  # noqa: E402
+
+from steerserve.server.ab import metrics as ab_metrics  # noqa: E402
+from steerserve.server.ab import stats as ab_stats  # noqa: E402
+from steerserve.server.ab.analysis import MIN_SCORED, build_report  # noqa: E402
+
+SEEDS = {label: 5600 + i for i, label in enumerate(NULL)} | {
+    label: 5700 + i for i, label in enumerate(EFFECT)
+}
+
+
+def verdicts(sim: Sim, n_languages: int) -> dict[tuple[str, int], np.ndarray]:
+    """Every verdict of the family at every reply: (metric, group) -> (experiments, replies)
+    of +1 (steered above), -1, 0. Group -1 is "all", k a language (when there are several):
+    the family the report corrects for."""
+    groups = {-1: np.ones_like(sim.steered)}
+    if n_languages > 1:
+        groups |= {k: sim.language == k for k in range(n_languages)}
+    alpha = ab_stats.family_alpha(ab_stats.ALPHA, len(groups) * len(sim.values))
+    out = {}
+    for name, x in sim.values.items():
+        m = ab_metrics.get(name)
+        for g, mask in groups.items():
+            a = ab_stats.running_moments(sim.subjects, np.where(mask & sim.steered, x, np.nan))
+            b = ab_stats.running_moments(sim.subjects, np.where(mask & ~sim.steered, x, np.nan))
+            d, h, _ = ab_stats.always_valid_arrays(a, b, m.lo, m.hi, alpha, m.tau**2, m.relative)
+            enough = (a.c >= MIN_SCORED) & (b.c >= MIN_SCORED) & (a.n >= 2) & (b.n >= 2)
+            out[name, g] = ab_stats.decide(d, h, enough)
+    return out
+
+
+def interval(k: int, n: int) -> tuple[float, float]:
+    ci = binomtest(k, n).proportion_ci(0.95, method="exact")
+    return ci.low, ci.high
+
+
+def false_winners(label: str) -> tuple[int, int]:
+    """(experiments with any false verdict at any reply, experiments) of a NULL scenario."""
+    sc = NULL[label]
+    calls = verdicts(sc.run(SEEDS[label]), sc.n_languages)
+    ever = np.zeros(sc.n_exp, dtype=bool)
+    for c in calls.values():
+        ever |= (c != 0).any(1)
+    return int(ever.sum()), sc.n_exp
+
+
+def power(label: str) -> tuple[int, int, int]:
+    """(steered called, unsteered called, experiments) of an EFFECT scenario, by its last reply."""
+    sc = EFFECT[label]
+    c = verdicts(sc.run(SEEDS[label]), 1)["feedback", -1]
+    return int((c > 0).any(1).sum()), int((c < 0).any(1).sum()), sc.n_exp
+
+
+@pytest.mark.parametrize("label", list(NULL))
+def test_a_a_false_winners_stay_under_5_percent_at_every_reply(label: str) -> None:
+    """Measured (these seeds): ICC 0 0.1 %, 0.05 0.1 %, 0.2 0.1 %, 0.33 0.5 %, heavy users 0 %,
+    splits 0.1 / 0.25 / 0.5 1.1 / 2.1 / 2.1 %, latency 0 %, 5 x 3 0.3 % (docs/ab.md has the
+    table; today's code before issue 56 called 2.6 to 66 %)."""
+    k, n = false_winners(label)
+    lo, hi = interval(k, n)
+    assert hi <= 0.05, f"{label}: {k}/{n} false winners, 95 % CI [{lo:.3f}, {hi:.3f}]"
+
+
+def test_power_at_the_user_level_and_never_the_wrong_arm() -> None:
+    """0.65 vs 0.5 thumbs-up: 1,000 independent users found in >= 90 % (measured 97.8 %); 200
+    users x 5 replies at an ICC of 0.2, which hold less information, in >= 55 % (70.0 %); 0.55
+    vs 0.5 is stated, not required (60.4 % of 4,000 users, 36.0 % of 800 x 5); no scenario
+    ever calls the unsteered arm."""
+    got = {label: power(label) for label in EFFECT}
+    for steered, unsteered, n in got.values():
+        assert unsteered == 0 and steered <= n
+    first, second = list(EFFECT)[:2]
+    assert got[first][0] / got[first][2] >= 0.9, got
+    assert got[second][0] / got[second][2] >= 0.55, got
+
+
+def test_the_report_calls_what_the_vectorised_rule_calls() -> None:
+    """The simulation's rule is the report's: on 40 experiments of the 5 x 3 scenario, read once
+    at their last reply, ``build_report`` calls a verdict exactly where the rule does."""
+    from steerserve.server.ab.records import Row
+
+    sc = Scenario(60, 10, 0.5, {"feedback": uniform_users(0.25, 0.0, 0.75)}, n_exp=40)
+    sim = sc.run(9)
+    calls = verdicts(sim, 1)["feedback", -1][:, -1]
+    called = []
+    for e in range(sc.n_exp):
+        rows = [
+            Row(
+                f"r{j}",
+                "e",
+                "steered" if sim.steered[e, j] else "unsteered",
+                "ja",
+                None,
+                float(sim.values["feedback"][e, j]),
+                subject_hash=f"u{sim.subjects[e, j]}",
+            )
+            for j in range(sim.subjects.shape[1])
+        ]
+        o = build_report(rows)["experiments"]["e"]["overall"]
+        called.append({"steered": 1, "unsteered": -1, None: 0}[o["winner"]])
+    assert called == calls.tolist()
+    assert 0 < sum(called) < sc.n_exp  # both outcomes occur: the comparison can fail
+
+
+def test_ab_report_on_correlated_a_a_logs_and_on_a_real_effect(tmp_path: Path) -> None:
+    """The acceptance logs, through ``steerserve ab-report``: 60 A/A experiments of 40 users x
+    50 replies (each user's thumbs-up rate ~ Beta(1, 1)) call a winner in <= 6 (measured 0;
+    before issue 56, 28); 20 experiments with a real effect, +0.3 (400 users x 5), call
+    "steered" in >= 18 (measured 20), never "unsteered"."""
+    from typer.testing import CliRunner
+
+    from steerserve.cli import app
+
+    aa = Scenario(40, 50, 0.5, {"feedback": uniform_users(0.0, 0.0, 1.0)}, n_exp=60).run(56)
+    effect = Scenario(400, 5, 0.5, {"feedback": uniform_users(0.3, 0.0, 0.7)}, n_exp=20).run(57)
+    for name, sim, most, least in (("aa", aa, 6, 0), ("effect", effect, 20, 18)):
+        log = tmp_path / f"{name}.jsonl"
+        write_log(str(log), [(name, sim)])
+        out = CliRunner().invoke(app, ["ab-report", str(log)])
+        assert out.exit_code == 0, out.output
+        verdicts = [v.split(":", 1)[1].split()[0] for v in out.output.split("**Verdict")[1:]]
+        assert len(verdicts) == sim.subjects.shape[0]
+        n_steered = verdicts.count("steered")
+        assert n_steered + verdicts.count("unsteered") <= most, verdicts
+        assert n_steered >= least and (name == "aa" or "unsteered" not in verdicts), verdicts
+
+
+def table() -> str:
+    """The suite's numbers as docs/ab.md shows them."""
+    lines = ["| scenario | experiments | false winners [95 % CI] |", "|---|---|---|"]
+    for label in NULL:
+        k, n = false_winners(label)
+        lo, hi = interval(k, n)
+        lines.append(f"| {label} | {n} | {k / n:.1%} [{lo:.1%}, {hi:.1%}] |")
+    lines += ["", "| scenario | experiments | power [95 % CI] |", "|---|---|---|"]
+    for label in EFFECT:
+        k, wrong, n = power(label)
+        lo, hi = interval(k, n)
+        lines.append(f"| {label} | {n} | {k / n:.1%} [{lo:.1%}, {hi:.1%}] (wrong arm: {wrong}) |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(json.dumps({"min_scored": MIN_SCORED, "alpha": ab_stats.ALPHA}))
+    print(table())
