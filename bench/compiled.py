@@ -1,5 +1,10 @@
 """Compiled graphs (issue 48): stock vLLM vs steerserve, both ``torch.compile``d, one checkpoint.
 
+A different question from ``bench_serve.py``'s (the benchmark of record, through ``steerserve
+serve`` over HTTP): what the steering ops alone cost inside compiled graphs, engine against engine
+through the Python API, with no server, admission, artifact or degeneracy check around them (that
+difference hid issue 60's cost: the server's check, not the ops, cost a fifth).
+
 Compiled, every hooked layer's ops stay in the graph: with CUDA graphs they run on every step, on
 a CPU their gates skip the arithmetic of idle layers (kernels.py); this measures what that costs. Per round, one engine at a time and their order alternating: the stock
 engine (no ``Steered<Arch>``) and the plugin's engine, each warmed, then burst tokens/s of

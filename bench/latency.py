@@ -140,7 +140,7 @@ def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Pr
             empty = logs / "no-vectors"
             empty.mkdir(exist_ok=True)
             cmd += ["--vectors-dir", str(empty)]
-    p = Proc(arm, cmd, env, logs / f"{arm}.log")
+    p = Proc(arm, cmd, env, logs / f"{arm}-{port}.log")
     p.wait_ready("/health" if arm == "stock" else "/ready")
     return p
 

@@ -9,7 +9,8 @@ the same on a busy shared machine. Pieces, at the shape of one decode step of on
   ``steer_edit``); ``hooked layer, no skip`` — both kernels on an unsteered layer, what every
   hooked layer pays where the skip is off (CUDA graphs, torch.compile on a GPU);
 * ``op`` — each kernel alone; ``add`` — a plain ``hidden + delta``;
-* ``sync`` / ``prepare_step`` — the runner seam's bookkeeping and index fill, idle and steered.
+* ``sync`` / ``prepare_step`` — the runner seam's bookkeeping and index fill, idle and steered;
+* the degeneracy check: vLLM's logprobs of the batch (before issue 60) against the worker's check.
 
     .venv/bin/python bench/step_cost.py --hidden 1536 --layers 28 --dtype bfloat16
 """
@@ -90,6 +91,30 @@ def op_rows(a: argparse.Namespace, name: str, x: torch.Tensor, step: tuple) -> l
     return rows
 
 
+def check_rows(a: argparse.Namespace, x: torch.Tensor) -> list[tuple[str, float]]:
+    """The degeneracy check of a steered step, before and after issue 60: vLLM's logprobs of the
+    batch (what asking one logprob per steered request made the sampler compute for every row)
+    against the worker's check of the steered rows' final hidden states."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from steerserve.engine.degenerate import flag_rows
+
+    logits = torch.randn(a.tokens, a.vocab)
+    sampled = logits.argmax(-1)
+    s = Sampler()
+    n = max(1, 200_000_000 // (a.tokens * a.vocab))  # calls: about 200 M logits in all
+
+    def logprobs() -> object:
+        return s.gather_logprobs(s.compute_logprobs(logits), 1, token_ids=sampled)
+
+    return [
+        (f"vLLM logprobs of the batch, vocabulary {a.vocab} (the old check)",
+         best_us(logprobs, n=n, repeats=3)),
+        ("the worker's check of the rows' hidden states (the new one)",
+         best_us(lambda: flag_rows(x))),
+    ]  # fmt: skip
+
+
 def main() -> None:
     from steerserve.engine.ops import engine_ops
 
@@ -98,6 +123,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--tokens", type=int, default=1, help="tokens in the step (decode: requests)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--vocab", type=int, default=151936, help="for the logprobs row")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
@@ -121,6 +147,7 @@ def main() -> None:
         rows += op_rows(a, name, x, (ids, qsl, comp, plen))
     d = torch.randn(a.tokens, a.hidden, dtype=dtype)
     rows.append(("plain add", best_us(lambda: x + d)))
+    rows += check_rows(a, x)
     print(f"hidden {a.hidden}, {a.layers} layers, {a.tokens} token(s), {a.dtype}, 1 thread")
     print("| piece | µs per call |\n|---|---|")
     for name, us in rows:

@@ -208,3 +208,39 @@ def test_hook_skips_layers_no_running_request_steers_and_adds_on_the_rest(monkey
     st.skip_idle = False
     [b(x[:1]) for b in blocks]
     assert len(calls) == 4
+
+
+def test_degeneracy_check_flags_only_steered_rows_with_a_zero_or_non_finite_state():
+    """The worker's check (issue 60): of a step's requests, only the steered ones are read, and
+    one is flagged when its final hidden state is zero (an overflowed stream after RMSNorm) or
+    not finite; a sound state, an unsteered request and a call of another shape are not."""
+    st = _state()
+    st.sync(["u", "s1", "s2", "s3"], {"s1": _spec(("a", 1, 1.0, "all")), "s2": _spec(
+        ("a", 1, 1.0, "all")), "s3": _spec(("b", 2, 1.0, "all"))}.get)  # fmt: skip
+    qsl = np.arange(5, dtype=np.int32)
+    st.prepare_step(["u", "s1", "s2", "s3"], qsl, np.full(4, 3, np.int32), np.full(4, 2, np.int32))
+    hidden = torch.randn(4, H)
+    hidden[0] = 0.0  # unsteered: not the check's business
+    hidden[2] = 0.0
+    hidden[3, 1] = float("nan")
+    st.check_sampled(hidden[:3])  # another row count (prompt logprobs): ignored, disarms
+    assert st.take_degenerate() == []
+    st.prepare_step(["u", "s1", "s2", "s3"], qsl, np.full(4, 3, np.int32), np.full(4, 2, np.int32))
+    st.check_sampled(hidden)
+    assert st.take_degenerate() == ["s2", "s3"]
+    assert st.take_degenerate() == []  # taken once
+    st.prepare_step(["u"], qsl[:2], np.full(1, 3, np.int32), np.full(1, 2, np.int32))
+    st.check_sampled(hidden[:1])  # nothing steered in the step: nothing read
+    assert st.take_degenerate() == []
+
+
+def test_degenerate_flags_merge_into_the_runner_output_field():
+    from types import SimpleNamespace
+
+    from steerserve.engine import degenerate
+
+    out = SimpleNamespace(num_nans_in_logits=None)
+    degenerate.merge(out, ["r1"])
+    degenerate.merge(SimpleNamespace(_model_runner_output=out), ["r2"])
+    assert out.num_nans_in_logits == {"r1": 1, "r2": 1}
+    degenerate.merge(SimpleNamespace(), ["r3"])  # no such field: nothing to do, no error

@@ -189,8 +189,9 @@ def test_a_degenerate_steered_answer_is_a_500_not_empty_text(
 
 
 def test_steered_answers_carry_logprobs_only_when_asked(http: httpx.Client) -> None:
-    """The check reads logprobs the engine computes for every steered request; a client that
-    did not ask gets none, one that asked gets exactly its own."""
+    """The check adds no logprobs (the worker flags a degenerate row; where it reads logprobs,
+    Model Runner V2, they are dropped): a client that did not ask gets none, one that asked
+    gets exactly its own."""
     plain = http.post("/v1/chat/completions", json=chat_body(steering=True)).json()
     assert plain["choices"][0]["logprobs"] is None
     asked = http.post(

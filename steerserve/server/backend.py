@@ -8,7 +8,10 @@ never disagree about what a steering entry means.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
+import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -48,6 +51,7 @@ class Backend:
         self.llm: Any = None
         self.tokenizer: Any = None
         self.max_token_chars = 0  # of the longest token: a text this long x N is >= N tokens
+        self.logprob_check = False  # set at start: whether the check reads logprobs (V2 runner)
         # Tokenization runs here, off the event loop; one thread, as a tokenizer is not safe to
         # call from several at once.
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="steerserve-tokenize")
@@ -88,6 +92,10 @@ class Backend:
             check_workers(await llm.collective_rpc("steer_info"), self.cfg)
         self.tokenizer = llm.get_tokenizer()
         self.max_token_chars = await asyncio.to_thread(longest_token, self.tokenizer)
+        # the worker flags degenerate steered rows through the V1 runner's seam; Model Runner
+        # V2 (a GPU's default) has none, so there the check reads a logprob per token (the cost
+        # issue 60 removed elsewhere)
+        self.logprob_check = bool(llm.vllm_config.use_v2_model_runner)
         self.llm = llm
 
     async def register(
@@ -138,11 +146,18 @@ class Backend:
         """Stream ``RequestOutput``s of ``prompt`` (token ids or vLLM's engine input; ``kw``:
         ``AsyncLLM.generate``'s); closing or cancelling the generator aborts the request. A
         steered request fails with a 500 when a distribution is degenerate (:func:`_checked`)."""
+        asked = params.logprobs
+        floor = None
+        if prepared.steered and self.logprob_check:
+            floor = -math.log(self.vocab_size) + UNIFORM_MARGIN
+            if asked is None:
+                params = copy.copy(params)
+                params.logprobs = 1  # the most likely token's: what the check reads
         gen = self.llm.generate(
             make_prompt(prompt), with_steering(params, prepared), request_id, **kw
         )
         gen = _answered(gen)
-        return _checked(gen) if prepared.steered else gen
+        return _checked(gen, floor, keep=asked is not None) if prepared.steered else gen
 
     def in_flight(self) -> int:
         return 0 if self.llm is None else int(self.llm.get_num_unfinished_requests())
@@ -185,16 +200,37 @@ async def _answered(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]
         await gen.aclose()
 
 
-async def _checked(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+#: How far above -ln(vocabulary) (nats) a token's logprob must be where the check reads logprobs
+#: (Model Runner V2): at it, every token is equally likely, which no trained model predicts.
+UNIFORM_MARGIN = 1e-3
+
+
+def _degenerate(out: Any, floor: float | None) -> bool:
+    """The worker flagged the request (``engine/degenerate.py``), or, where the check reads
+    logprobs (``floor``), a token's came out at the uniform floor or NaN."""
+    if degenerate.flagged(out.request_id):
+        return True
+    if floor is None:
+        return False
+    return any(
+        not max(lp.logprob for lp in d.values()) > floor
+        for o in out.outputs
+        for d in o.logprobs or ()
+    )
+
+
+async def _checked(
+    gen: AsyncGenerator[Any, None], floor: float | None = None, keep: bool = True
+) -> AsyncGenerator[Any, None]:
     """``gen``'s outputs, failing with a 500 naming ``steering`` at a degenerate next-token
-    distribution (uniform or NaN), which the worker flags (``engine/degenerate.py``): a steered
-    request must never be a 200 with garbage or empty text. The server's fault, not the
-    client's: every vector it serves was vetted at load to fit the model at any admitted scale."""
+    distribution (uniform or NaN): a steered request must never be a 200 with garbage or empty
+    text. The server's fault, not the client's: every vector it serves was vetted at load to
+    fit the model at any admitted scale. ``keep``: the client asked for the logprobs."""
     rid = None
     try:
         async for out in gen:
             rid = out.request_id
-            if degenerate.flagged(rid):
+            if _degenerate(out, floor):
                 logger.error("request %s: steering made a degenerate distribution", rid)
                 raise ApiError(
                     "steering: the steered model's next-token distribution came out "
@@ -204,6 +240,9 @@ async def _checked(gen: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
                     param="steering",
                     code="steering_degenerate",
                 )
+            if not keep:
+                out = copy.copy(out)
+                out.outputs = [dataclasses.replace(o, logprobs=None) for o in out.outputs]
             yield out
     finally:
         if rid is not None:
