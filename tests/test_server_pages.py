@@ -183,7 +183,9 @@ def test_experiments_page_is_live_and_ab_report(
             ).status_code
             == 200
         )
-    rep = ab_report.report(root / "ab.jsonl")["experiments"][NAME]["overall"]
+    full = ab_report.report(root / "ab.jsonl")["experiments"][NAME]
+    rep = full["overall"]
+    section = f"section[data-experiment='{NAME}']"
     want = rep["arms"]["steered"]
     cell = "tr[data-language='all'][data-arm='steered'] td.requests"
     expect(page.locator(cell)).to_have_text(str(want["requests"]), timeout=15_000)
@@ -197,9 +199,20 @@ def test_experiments_page_is_live_and_ab_report(
             "mean": f"{sc['mean']:.3g}",
             "ci": f"[{lo:.3g}, {hi:.3g}]",
         }
-    d = report_row(page, "all", "difference", ("mean", "ci"))
-    lo, hi = rep["difference"]["ci95"]
-    assert d == {"mean": f"{rep['difference']['diff']:.3g}", "ci": f"[{lo:.3g}, {hi:.3g}]"}
+    # issue 56: per metric and language, the difference with its always-valid interval (a
+    # table row and a forest plot per metric), the family's correction, a fixed threshold
+    d = rep["metrics"]["feedback"]["difference"]
+    lo, hi = d["ci"]
+    sign = "+" if d["diff"] >= 0 else ""
+    cell = page.locator(f"{section} tr[data-language='all'][data-metric='feedback'] td.diff")
+    assert cell.text_content() == f"{sign}{d['diff']:.3g} [{lo:.3g}, {hi:.3g}]"
+    family = full["family"]
+    assert page.locator(f"{section} svg.forest").count() == len(family["metrics"])
+    assert page.locator(f"{section} svg.forest[data-metric='feedback'] circle").count() >= 1
+    fam = page.locator(f"{section} p.family").text_content()
+    assert f"Bonferroni over {family['size']} verdicts" in fam, fam
+    assert "fixed by the server" in page.locator("#threshold").text_content()
+    assert page.locator("#min_scored").count() == 0  # no viewer lowers the threshold
     assert page.locator(f"section[data-experiment='{NAME}'] .badge").text_content() == "not called"
     for lang in ("fr", "ja"):
         assert page.locator(f"tr[data-language='{lang}'][data-arm='steered']").count() == 1
@@ -209,7 +222,8 @@ def test_experiments_page_is_live_and_ab_report(
     snap = http.get("/v1/steering/experiments").json()
     assert (
         snap["recent"] == []
-        and "reply" not in json.dumps(snap)
+        and '"reply":' not in json.dumps(snap)
+        and "script>" not in json.dumps(snap)  # the parrot's reply text
         and page.locator("#recent").is_hidden()
     )
     screenshot(page, "experiments.png")

@@ -1,18 +1,37 @@
 "use strict";
 /* /experiments: the server's A/B experiment, refreshed live from GET /v1/steering/experiments,
-   whose numbers are `steerserve ab-report`'s (the server runs the same code). */
+   whose numbers are `steerserve ab-report`'s (the server runs the same code). The charts are SVG
+   built here from those numbers, with text set as text only. */
 (() => {
   const $ = (id) => document.getElementById(id);
   const { el, num, ci } = steer;
   const ARMS = ["steered", "unsteered"];
+  const NS = "http://www.w3.org/2000/svg";
   let timer = null;
 
-  const minScored = () => Math.max(2, Math.floor(Number($("min_scored").value)) || 30);
+  /** An SVG element; ``text`` sets its text (never markup). */
+  function svg(tag, attrs = {}, ...children) {
+    const e = document.createElementNS(NS, tag);
+    for (const [k, v] of Object.entries(attrs)) {
+      if (v === undefined || v === null) continue;
+      if (k === "text") e.textContent = String(v);
+      else e.setAttribute(k, String(v));
+    }
+    for (const c of children) if (c) e.append(c);
+    return e;
+  }
+
+  const pct = (x) => (x >= 0 ? "+" : "") + (x * 100).toFixed(1) + " %";
+  function diffText(d) {
+    if (!d || d.diff === null || d.diff === undefined) return "–";
+    if (d.relative) return pct(d.diff) + (d.ci ? ` [${pct(d.ci[0])}, ${pct(d.ci[1])}]` : "");
+    return (d.diff >= 0 ? "+" : "") + num(d.diff) + (d.ci ? " " + ci(d.ci) : "");
+  }
 
   async function refresh() {
     clearTimeout(timer);
     try {
-      render(await steer.json("/v1/steering/experiments?min_scored=" + minScored()));
+      render(await steer.json("/v1/steering/experiments"));
       steer.status("updated " + new Date().toLocaleTimeString());
     } catch (e) {
       steer.status(e.message, true);
@@ -29,7 +48,7 @@
       el("p", {
         text: exp
           ? `${num(exp.split * 100)} % of subjects steered (steered arm: ${exp.steered_arm}); the rest unsteered.`
-          : "Start one with --ab-split (and --ab-log for the numbers). Reports of an earlier log still show below.",
+          : "Start one with --ab-split (and --ab-store or --ab-log for the numbers). Reports of an earlier log still show below.",
       }),
       el("p", {
         class: "muted",
@@ -61,41 +80,133 @@
     $("setup").replaceChildren(...lines);
   }
 
-  function armRow(label, arm, a) {
-    const s = a.score, lat = a.latency_ms;
-    const td = (cls, text) => el("td", { class: "num " + cls, text });
-    return el("tr", { "data-language": label, "data-arm": arm }, el("td", { text: label }), el("td", { text: arm }),
-      td("requests", a.requests), td("scored", s.n), td("mean", num(s.mean)), td("ci", ci(s.ci95)),
-      td("p50", num(lat.p50, 4)), td("p95", num(lat.p95, 4)), el("td"));
+  const groupsOf = (exp) => [["all", exp.overall], ...Object.entries(exp.per_language)];
+  const label = (lang, exp) => (exp.not_applied.includes(lang) ? lang + " (not applied)" : lang);
+
+  /** One metric's steered − unsteered per group, each with its always-valid interval. */
+  function forest(exp, metric) {
+    const groups = groupsOf(exp);
+    const W = 330, L = 112, R = 12, top = 24, rowH = 22, H = top + rowH * groups.length + 22;
+    const ds = groups.map(([, g]) => g.metrics[metric].difference);
+    const ends = ds.flatMap((d) => (d.ci ? d.ci : [])).concat([0]);
+    let lo = Math.min(...ends), hi = Math.max(...ends);
+    if (hi - lo < 1e-9) { lo -= 1; hi += 1; }
+    const pad = (hi - lo) * 0.08; lo -= pad; hi += pad;
+    const x = (v) => L + (v - lo) / (hi - lo) * (W - L - R);
+    const rel = ds[0].relative;
+    const fmt = (v) => (rel ? pct(v) : num(v, 2));
+    const kids = [
+      svg("text", { x: 4, y: 15, class: "title", text: `${metric}: steered − unsteered${rel ? " (relative)" : ""}` }),
+      svg("line", { x1: x(0), x2: x(0), y1: top - 4, y2: H - 20, class: "zero" }),
+      svg("text", { x: x(lo), y: H - 6, class: "tick", text: fmt(lo) }),
+      svg("text", { x: x(hi), y: H - 6, class: "tick end", text: fmt(hi) }),
+    ];
+    groups.forEach(([lang, g], i) => {
+      const r = g.metrics[metric], d = r.difference, y = top + rowH * i + rowH / 2;
+      const cls = r.status === "called" ? (r.harm ? "harm" : "called") : r.status === "open" ? "open" : "few";
+      kids.push(svg("text", { x: 4, y: y + 4, class: "lang", text: label(lang, exp) }));
+      if (d.ci) {
+        kids.push(svg("line", { x1: x(d.ci[0]), x2: x(d.ci[1]), y1: y, y2: y, class: "ci " + cls }));
+        kids.push(svg("circle", { cx: x(d.diff), cy: y, r: 4, class: "pt " + cls }));
+      } else {
+        kids.push(svg("text", { x: L, y: y + 4, class: "tick", text: r.status === "missing" ? "missing" : "too few" }));
+      }
+      kids.push(svg("title", { text: `${lang}: ${r.verdict}` }));
+    });
+    return svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "forest", "data-metric": metric }, ...kids);
   }
 
-  function diffRow(label, cmp) {
-    const d = cmp.difference;
-    return el("tr", { class: "diff", "data-language": label, "data-arm": "difference" }, el("td", { text: label }),
-      el("td", { text: "steered − unsteered" }), el("td"), el("td"), el("td", { class: "num mean", text: num(d.diff) }),
-      el("td", { class: "num ci", text: ci(d.ci95) }), el("td"), el("td"), el("td", { class: "verdict", text: cmp.verdict }));
+  /** The primary metric's confidence sequence over time: the interval narrows as values come. */
+  function sequence(seq) {
+    if (!seq || seq.diff.length < 2) return null;
+    const W = 420, H = 200, L = 52, B = 28, T = 24, R = 10;
+    const xs = seq.values, n = xs.length;
+    // the scale of the later looks: the first, on a handful of values, are wide and clipped
+    const from = Math.floor(n / 10);
+    const lo = Math.min(0, ...seq.lo.slice(from)), hi = Math.max(0, ...seq.hi.slice(from));
+    const x = (v) => L + (v - xs[0]) / Math.max(xs[n - 1] - xs[0], 1) * (W - L - R);
+    const y = (v) => T + (hi - Math.min(Math.max(v, lo), hi)) / Math.max(hi - lo, 1e-9) * (H - T - B);
+    const fmt = (v) => (seq.relative ? pct(v) : num(v, 2));
+    const band = xs.map((v, i) => `${x(v)},${y(seq.hi[i])}`).concat(
+      xs.map((v, i) => `${x(v)},${y(seq.lo[i])}`).reverse()).join(" ");
+    const line = xs.map((v, i) => `${x(v)},${y(seq.diff[i])}`).join(" ");
+    return svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "sequence" },
+      svg("text", { x: 4, y: 15, class: "title", text: `${seq.metric}: confidence sequence over time (always-valid, at ${num(seq.alpha, 2)})` }),
+      svg("polygon", { points: band, class: "band" }),
+      svg("polyline", { points: line, class: "mid" }),
+      svg("line", { x1: L, x2: W - R, y1: y(0), y2: y(0), class: "zero" }),
+      svg("text", { x: L - 4, y: y(hi) + 4, class: "tick end", text: fmt(hi) }),
+      svg("text", { x: L - 4, y: y(lo) + 4, class: "tick end", text: fmt(lo) }),
+      svg("text", { x: L, y: H - 8, class: "tick", text: `${xs[0]} values` }),
+      svg("text", { x: W - R, y: H - 8, class: "tick end", text: `${xs[n - 1]} values` }));
+  }
+
+  function needed(r) {
+    if (r.status === "called") return "called";
+    const n = r.needed;
+    if (!n) return "–";
+    const eff = r.difference.relative ? (n.effect * 100).toFixed(0) + " %" : num(n.effect);
+    return n.subjects || n.values ? `~${n.subjects} more subjects (${n.values} values) for ${eff}` : `enough for ${eff}`;
+  }
+
+  /** A metric's verdict in a word or three (the whole sentence is the cell's tooltip). */
+  function call(r) {
+    if (r.status === "called") return `${r.better} better` + (r.harm ? " (guardrail harmed)" : "");
+    return { open: "no difference yet", "too few": "too few values" }[r.status] || r.status;
+  }
+
+  function metricRow(lang, name, r, exp) {
+    const td = (cls, text) => el("td", { class: "num " + cls, text });
+    if (r.status === "missing") {
+      return el("tr", { "data-language": lang, "data-metric": name, class: "missing" }, el("td", { text: name }),
+        el("td", { text: label(lang, exp) }), el("td", { colspan: 6, class: "verdict", text: "missing: no values here" }));
+    }
+    return el("tr", { "data-language": lang, "data-metric": name, class: r.status },
+      el("td", { text: name }), el("td", { text: label(lang, exp) }),
+      td("n-steered", `${r.n.steered} (${r.subjects.steered})`), td("n-unsteered", `${r.n.unsteered} (${r.subjects.unsteered})`),
+      td("means", `${num(r.mean.steered)} / ${num(r.mean.unsteered)}`), td("diff", diffText(r.difference)),
+      el("td", { class: "verdict", title: r.verdict, text: call(r) }), el("td", { class: "needed", text: needed(r) }));
+  }
+
+  function armRow(lang, arm, a) {
+    const s = a.score, lat = a.latency_ms;
+    const td = (cls, text) => el("td", { class: "num " + cls, text });
+    return el("tr", { "data-language": lang, "data-arm": arm }, el("td", { text: lang }), el("td", { text: arm }),
+      td("requests", a.requests), td("subjects", a.subjects), td("applied", arm === "steered" ? a.applied : "–"),
+      td("scored", s.n), td("mean", num(s.mean)), td("ci", ci(s.ci95)), td("p50", num(lat.p50, 4)), td("p95", num(lat.p95, 4)));
   }
 
   function experiment(name, exp) {
-    const o = exp.overall;
+    const o = exp.overall, fam = exp.family;
     const badge = o.winner
       ? el("span", { class: "badge called", text: `called: ${o.winner} wins` })
       : el("span", { class: "badge open", text: "not called" });
-    const head = el("tr", {}, ...["language", "arm", "requests", "scored", "mean score", "95 % CI", "p50 ms", "p95 ms", "verdict"]
-      .map((h) => el("th", { text: h })));
-    const rows = [];
-    for (const [label, cmp] of [["all", o], ...Object.entries(exp.per_language)]) {
-      rows.push(...ARMS.map((arm) => armRow(label, arm, cmp.arms[arm])), diffRow(label, cmp));
-    }
-    // the sample-ratio check, in the report's own words; loud when the split is not what was assigned
     const srm = exp.srm
       ? el("p", { class: exp.srm.warning ? "srm warn" : "srm muted", text: exp.srm.warning || "Sample ratio: " + exp.srm.summary + "." })
       : null;
+    // the primary metric first, its confidence sequence beside it, then every other metric
+    const order = fam.metrics.includes(exp.primary) ? [exp.primary, ...fam.metrics.filter((m) => m !== exp.primary)] : fam.metrics;
+    const charts = el("div", { class: "charts" }, ...order.slice(0, 1).map((m) => forest(exp, m)), sequence(exp.sequence),
+      ...order.slice(1).map((m) => forest(exp, m)));
+    const mhead = el("tr", {}, ...["metric", "language", "steered n (subjects)", "unsteered n (subjects)", "steered / unsteered",
+      "steered − unsteered [always-valid CI]", "call", "still needed"].map((h) => el("th", { text: h })));
+    const mrows = [];
+    for (const [lang, g] of groupsOf(exp)) for (const m of fam.metrics) mrows.push(metricRow(lang, m, g.metrics[m], exp));
+    const ahead = el("tr", {}, ...["language", "arm", "requests", "subjects", "applied", "scored", "mean feedback", "95 % CI", "p50 ms", "p95 ms"]
+      .map((h) => el("th", { text: h })));
+    const arows = [];
+    for (const [lang, g] of groupsOf(exp)) arows.push(...ARMS.map((arm) => armRow(lang, arm, g.arms[arm])));
     return el("section", { class: "exp", "data-experiment": name },
       el("h2", {}, `Experiment ${name} `, badge),
       ...(srm && exp.srm.warning ? [srm] : []),
-      el("p", { class: "verdict", text: "Verdict: " + o.verdict + "." }),
-      el("table", { class: "report" }, head, ...rows),
+      el("p", { class: "verdict", text: `Verdict (primary metric ${exp.primary}): ${o.verdict}.` }),
+      el("p", { class: "family muted", text: `Family correction: ${fam.method} over ${fam.size} verdicts (${fam.metrics.length} metrics × ${fam.groups} groups), each at ${num(fam.each, 2)}: all of them, read at every refresh, call a false winner with probability ≤ ${fam.alpha}. Unit: ${exp.unit}.` }),
+      exp.not_applied.length
+        ? el("p", { class: "not-applied", text: `Steered arm not applied in: ${exp.not_applied.join(", ")} (those prompts were answered unsteered in both arms; shown per language, left out of "all").` })
+        : null,
+      charts,
+      el("table", { class: "metrics" }, mhead, ...mrows),
+      el("table", { class: "report" }, ahead, ...arows),
       ...(srm && !exp.srm.warning ? [srm] : []));
   }
 
@@ -116,7 +227,8 @@
     const rep = snap.report;
     const out = [];
     if (rep) {
-      out.push(el("p", { class: "muted", text: `${rep.requests} logged requests, ${rep.not_enrolled} not enrolled. A winner needs ${rep.min_scored_per_arm} scored replies per arm and an always-valid 95 % CI of the difference (mSPRT: it stays valid however often this page refreshes) that excludes 0; the difference rows show that CI.` }));
+      $("threshold").textContent = `A verdict needs ${rep.min_scored_per_arm} values per arm (fixed by the server) and an always-valid interval that excludes 0.`;
+      out.push(el("p", { class: "muted", text: `${rep.requests} logged requests, ${rep.not_enrolled} not enrolled. Every verdict is an always-valid confidence sequence (mSPRT) at the subject level, corrected for the experiment's family of metrics and languages: it stays valid however often this page refreshes.` }));
       for (const [name, exp] of Object.entries(rep.experiments)) out.push(experiment(name, exp));
       if (!Object.keys(rep.experiments).length) out.push(el("p", { text: "No enrolled requests in the log yet." }));
     }
@@ -128,14 +240,13 @@
     b.addEventListener("click", async () => {
       const f = b.dataset.format;
       try {
-        await steer.download(`/v1/steering/experiments/report.${f}?min_scored=${minScored()}`, `report.${f}`);
+        await steer.download(`/v1/steering/experiments/report.${f}`, `report.${f}`);
       } catch (e) {
         steer.status(e.message, true);
       }
     });
   }
   $("every").addEventListener("change", refresh);
-  $("min_scored").addEventListener("change", refresh);
   steer.onKey(refresh);
   refresh();
 })();
