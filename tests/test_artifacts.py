@@ -472,6 +472,20 @@ def test_gguf_foreign_and_refusals(
         A.export_gguf(at0, tmp_path / "l0.gguf")
 
 
+def test_vectors_list_fits_80_columns_and_marks_the_default_and_the_gated() -> None:
+    """The shipped vectors: the chat model's v1.1 is its default and gated off everywhere."""
+    from steerserve.cli import app
+
+    res = CliRunner().invoke(app, ["vectors", "list"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(map(len, lines)) <= 80, res.output
+    [v11] = [x for x in lines if "qwen2.5-coder-1.5b-instruct/v1.1" in x]
+    assert v11.startswith("*") and v11.endswith("none (gated)"), res.output
+    [v1] = [x for x in lines if "qwen2.5-coder-1.5b-instruct/v1 " in x]
+    assert not v1.startswith("*"), res.output
+
+
 def test_cli(art: A.Artifact, tiny_llama: Path, tiny_gemma: Path) -> None:
     from steerserve.cli import app
 
@@ -479,7 +493,7 @@ def test_cli(art: A.Artifact, tiny_llama: Path, tiny_gemma: Path) -> None:
     root = str(art.path.parent.parent)
     res = run(app, ["vectors", "list", "--root", root])
     assert res.exit_code == 0, res.output
-    assert "tiny-llama" in res.output and "recall" in res.output and "L2" in res.output
+    assert "* tiny-llama/" in res.output and "L2" in res.output
 
     res = run(app, ["vectors", "show", "tiny-llama", "--root", root])
     assert res.exit_code == 0, res.output

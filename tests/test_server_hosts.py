@@ -222,3 +222,52 @@ def test_no_docs_pages_and_nothing_loaded_from_elsewhere(tiny_llama: Path) -> No
             assert pages == 2  # /compare and /experiments
     finally:
         srv.stop()
+
+
+def test_tls_root_path_and_cors_take_vllms_options(tiny_llama: Path, tmp_path: Path) -> None:
+    """``--ssl-keyfile/--ssl-certfile``, ``--root-path`` and ``--allowed-origins`` as vLLM's: the
+    app answers HTTPS under the proxy's prefix, and CORS headers go to the named origin only."""
+    import subprocess
+
+    from test_server import _wait
+
+    from steerserve.server import create_app
+    from steerserve.server.process import uvicorn_options
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    settings = tiny_settings(
+        tiny_llama,
+        ssl_keyfile=str(key),
+        ssl_certfile=str(cert),
+        root_path="/llm",
+        allowed_origins=("https://app.example",),
+    )
+    tls = {k: v for k, v in uvicorn_options(settings).items() if k.startswith(("ssl", "root"))}
+    srv = Server(create_app(settings), lifespan="off", **tls)
+    srv.thread.start()
+    url = f"https://localhost:{srv.port}"
+    try:
+        with httpx.Client(base_url=url, verify=str(cert), timeout=10) as c:
+
+            def up() -> bool:
+                try:
+                    return c.get("/health").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            assert _wait(up, 60)
+            # behind a proxy that strips /llm: the document names the prefix clients use
+            assert c.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+            ok = c.get("/health", headers={"Origin": "https://app.example"})
+            assert ok.headers["access-control-allow-origin"] == "https://app.example"
+            other = c.get("/health", headers={"Origin": "https://attacker.example"})
+            assert "access-control-allow-origin" not in other.headers
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5).raise_for_status()
+    finally:
+        srv.stop()

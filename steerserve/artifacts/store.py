@@ -265,11 +265,14 @@ def artifact_name_version(a: Artifact) -> tuple[str, str]:
     return a.manifest.name, a.manifest.version
 
 
-def newest_first(arts: Iterable[Artifact]) -> list[Artifact]:
+def newest_first(
+    arts: Iterable[R],
+    name_version: Callable[[R], tuple[str, str]] = artifact_name_version,  # type: ignore[assignment]
+) -> list[R]:
     """By name, each name's newest version first: the order a server loads artifacts in, so the
-    first is the one it serves by default."""
-    newest = _newest_version_first(arts, artifact_name_version)
-    return sorted(newest, key=lambda a: a.manifest.name)
+    first is the one it serves by default (``vectors list`` marks it from manifests alone)."""
+    newest = _newest_version_first(arts, name_version)
+    return sorted(newest, key=lambda a: name_version(a)[0])
 
 
 def default_vectors_dir() -> str:

@@ -7,6 +7,7 @@ a rich console and returns the exit status.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,29 +30,58 @@ def describe_auto(m: art.Manifest) -> str:
 
 
 def list_artifacts(root: Path, out: Console | None = None) -> int:
-    """A table of the artifacts under ``root`` with their model and recommended settings;
-    one that does not read is listed as invalid, with the reason."""
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table("name", "version", "model", "interventions", "layer / scale / positions")
+    """One line per artifact under ``root``, 80 columns: name/version, model, layers, which
+    languages ``auto`` steers (``none (gated)``: the gate closed every language), and ``*`` on
+    the one a server of that model serves by default (the newest of the first name, as
+    :func:`art.newest_first` orders them); one that does not read is listed as invalid."""
+    out = out or console()
+    rows: list[tuple[str, str, str, str, str]] = []
+    read: list[tuple[Path, art.Manifest]] = []
     for p in art.find_artifacts(root):
         try:
-            m = art.read_manifest(p)
+            read.append((p, art.read_manifest(p)))
         except art.ArtifactError as e:
-            table.add_row(str(p.relative_to(root)), "", "", Text(f"invalid: {e}", style="red"), "")
-            continue
+            why = str(e).replace(f"{p}: ", "").replace(str(p), ".")
+            rows.append(("", str(p.relative_to(root)), "invalid", "", why))
+    defaults = _defaults([m for _, m in read])
+    for _, m in read:
         b = m.model
-        ivs = m.interventions
-        table.add_row(
-            m.name,
-            m.version,
-            f"{b.architecture} ({b.num_layers}×{b.hidden_size})",
-            "\n".join(iv.name for iv in ivs),
-            "\n".join(f"L{iv.layer} × {iv.scale:g} ({iv.positions})" for iv in ivs),
+        auto = m.auto_languages()
+        rows.append(
+            (
+                "*" if id(m) in defaults else "",
+                f"{m.name}/{m.version}",
+                f"{b.architecture.removesuffix('ForCausalLM')} {b.num_layers}x{b.hidden_size}",
+                " ".join(f"L{iv.layer}" for iv in m.interventions),
+                "all non-English" if auto is None else ", ".join(auto) or "none (gated)",
+            )
         )
-    (out or Console(width=200)).print(table if table.row_count else f"no artifacts under {root}")
+    if not rows:
+        out.print(f"no artifacts under {root}")
+        return 0
+    width = max(len(r[1]) for r in rows)
+    out.print(f"  {'artifact':<{width}}  {'model':<14} {'layers':<8} auto steers")
+    for mark, name, model, layers, auto in rows:
+        if model == "invalid":  # the reason on lines of its own, wrapped
+            out.print(f"  {name:<{width}}  invalid")
+            out.print(textwrap.fill(auto, 80, initial_indent="    ", subsequent_indent="    "))
+            continue
+        out.print(f"{mark or ' '} {name:<{width}}  {model:<14} {layers:<8} {auto}".rstrip())
+    out.print("* served by default for its model; layers, scales, gate: vectors show NAME")
     return 0
+
+
+def _defaults(manifests: Sequence[art.Manifest]) -> set[int]:
+    """Which manifests (by ``id``) a server of their model would serve by default: per model
+    binding, the first of the newest-first order by name."""
+    by_model: dict[tuple[str, str], list[art.Manifest]] = {}
+    for m in manifests:
+        fp = m.model.fingerprint
+        by_model.setdefault((fp.config_sha256, fp.embedding_sha256), []).append(m)
+    out = set()
+    for group in by_model.values():
+        out.add(id(art.newest_first(group, lambda m: (m.name, m.version))[0]))
+    return out
 
 
 def tune_verdict(path: Path) -> str | None:

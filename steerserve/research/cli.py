@@ -191,7 +191,9 @@ def calibrate(
         "cpu", help="logp only: torch device of the scoring model (cpu, cuda, cuda:1, ...)."
     ),
     batch_size: int = typer.Option(64, help="logp only: items per forward pass."),
-    kv_cache_bytes: int = typer.Option(RESEARCH_KV_CACHE_MEMORY_BYTES, help=KV_HELP),
+    kv_cache_bytes: int = typer.Option(
+        RESEARCH_KV_CACHE_MEMORY_BYTES, "--kv-cache-memory-bytes", help=KV_HELP
+    ),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option(
         "", help=_THREADS_HELP + " With logp, the number of cores listed is torch's thread count."
@@ -280,7 +282,9 @@ def eval_cmd(
         show_default=False,
     ),
     dtype: str = typer.Option("auto", help=ENGINE_DTYPE_HELP),
-    kv_cache_bytes: int = typer.Option(RESEARCH_KV_CACHE_MEMORY_BYTES, help=KV_HELP),
+    kv_cache_bytes: int = typer.Option(
+        RESEARCH_KV_CACHE_MEMORY_BYTES, "--kv-cache-memory-bytes", help=KV_HELP
+    ),
     max_num_seqs: int = typer.Option(64, help="Most requests batched at once."),
     cpu_threads: str = typer.Option("", help=_THREADS_HELP),
 ) -> None:

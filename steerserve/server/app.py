@@ -117,6 +117,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
     admin = [Depends(require_key), Depends(require_admin)]
     app.include_router(pages.experiments_router(), dependencies=admin)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if settings.allowed_origins:  # vLLM's CORS options; none given: no CORS headers at all
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=list(settings.allowed_methods),
+            allow_headers=list(settings.allowed_headers),
+            allow_credentials=settings.allow_credentials,
+        )
     return app
 
 
@@ -124,7 +134,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document plus what it cannot see: the request bodies (routes parse them
     themselves), our 400 for invalid parameters, and which operations need the API key."""
     if app.openapi_schema is None:
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        # servers: FastAPI's, the --root-path a proxy serves the app under among them
+        doc = get_openapi(
+            title=app.title, version=app.version, routes=app.routes, servers=app.servers or None
+        )
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(openapi_components(REQUEST_MODELS))
         keyed = {

@@ -22,6 +22,8 @@ from steerserve.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+#: Repeatable settings the server keeps as tuples.
+TUPLES = ("forwarded_allow_ips", "allowed_origins", "allowed_methods", "allowed_headers")
 #: Settings whose values may hold a secret (a key, a password in a URL): never echoed in errors.
 SECRETS = ("api_key", "ab_store")
 
@@ -63,16 +65,44 @@ def vllm_engine_args(args: tuple[str, ...] | list[str]) -> dict[str, Any]:
     except argparse.ArgumentError as e:
         raise OptionError(str(e), e.argument_name) from None
     if unknown:
-        raise OptionError(
-            f"not an option of steerserve serve or of vLLM's engine: {' '.join(unknown)}",
-            unknown[0],
-        )
+        raise OptionError(_unknown(unknown[0]), unknown[0].split("=")[0])
     out = {k: v for k, v in vars(given).items() if v != defaults.get(k)}
     for field, instead in OWN_ENGINE_FIELDS.items():
         if field in out:
             flag = "--" + field.replace("_", "-")
             raise OptionError(f"set by steerserve: use {instead}", flag)
     return out
+
+
+#: ``vllm serve``'s server options ``steerserve serve`` does not take, and what to use instead
+#: (those it takes under vLLM's name are settings: --ssl-*, --root-path, --allowed-*, ...).
+SERVER_FLAGS_INSTEAD = {
+    "uvicorn_log_level": "--log-level (it sets uvicorn's level too)",
+    "disable_uvicorn_access_log": "--log-level warning (one 'request' line per request is "
+    "logged at info)",
+    "enable_request_id_headers": "nothing: X-Request-Id is always echoed when a client sends one",
+    "enable_server_load_tracking": "nothing: /load always counts requests in flight",
+    "disable_fastapi_docs": "nothing: no docs pages are served (/openapi.json only)",
+    "lora_modules": "--preset NAME=SPEC (steering presets are served as model ids; LoRA is not)",
+    "uds": "--host and --port (a Unix socket is not served)",
+    "middleware": "a proxy in front (no application code is loaded from the command line)",
+}
+
+
+def _unknown(arg: str) -> str:
+    """Why ``arg`` is refused: a ``vllm serve`` server option said with what to use instead."""
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    name = arg.split("=")[0].lstrip("-").replace("-", "_")
+    frontend = {f.name for f in dataclasses.fields(FrontendArgs)}
+    if name in SERVER_FLAGS_INSTEAD:
+        return f"a vllm serve server option steerserve serve does not take: use {SERVER_FLAGS_INSTEAD[name]}"
+    if name in frontend:
+        return (
+            "a vllm serve server option steerserve serve does not take (its own are listed "
+            "by 'steerserve serve --help')"
+        )
+    return f"not an option of steerserve serve or of vLLM's engine: {arg}"
 
 
 def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
@@ -182,6 +212,8 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
     engine failure."""
     from steerserve.artifacts import default_vectors_dir
 
+    if s.vectors_dir is not None and not Path(s.vectors_dir).is_dir():  # else no preset serves
+        raise OptionError(f"{s.vectors_dir}: no such folder", "--vectors-dir")
     check_experiment(s.ab_split, s.ab_name, s.ab_log, s.ab_store)
     check_seqs_per_request(s.max_seqs_per_request, s.max_num_seqs)
     logging.basicConfig(
@@ -212,7 +244,7 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
             # the 4-bit checkpoint's folder is named w4: serve it under its model's name
             "served_model_name": tuple(s.served_model_name) or _w4_name(Path(engine.model)),
             "api_key": tuple(s.api_key),
-            "forwarded_allow_ips": tuple(s.forwarded_allow_ips),
+            **{n: tuple(getattr(s, n)) for n in TUPLES},
             "presets": tuple(s.preset),
             "exit_on_failure": True,
         }

@@ -67,22 +67,32 @@ class _Server(uvicorn.Server):
             deadline.cancel()
 
 
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
+    """uvicorn's configuration from the server's settings (TLS and the root path under vLLM's
+    names), for ``serve`` and for anyone running the app in uvicorn."""
+    return {
+        "host": settings.host,
+        # uvicorn cancels what is left only after the dropped requests had time to be answered
+        "timeout_graceful_shutdown": settings.drain_seconds + GRACE,
+        "timeout_keep_alive": settings.keep_alive_seconds,
+        "http": timed_protocol(settings.request_timeout_seconds),
+        # X-Forwarded-For names the client only behind a proxy the operator trusts: a client
+        # could otherwise pick its own address (and a fresh share of engine seats) per request
+        "proxy_headers": bool(settings.forwarded_allow_ips),
+        "forwarded_allow_ips": list(settings.forwarded_allow_ips) or None,
+        "ssl_keyfile": settings.ssl_keyfile,
+        "ssl_certfile": settings.ssl_certfile,
+        "ssl_ca_certs": settings.ssl_ca_certs,
+        "ssl_cert_reqs": settings.ssl_cert_reqs,
+        "root_path": settings.root_path,
+    }
+
+
 def serve(settings: ServerSettings, port: int, log_level: str = "info") -> int:
     """Serve until stopped; the process's exit status."""
     app = create_app(settings)
     config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=port,
-        log_level=log_level.lower(),
-        # uvicorn cancels what is left only after the dropped requests had time to be answered
-        timeout_graceful_shutdown=settings.drain_seconds + GRACE,
-        timeout_keep_alive=settings.keep_alive_seconds,
-        http=timed_protocol(settings.request_timeout_seconds),
-        # X-Forwarded-For names the client only behind a proxy the operator trusts: a client
-        # could otherwise pick its own address (and a fresh share of engine seats) per request
-        proxy_headers=bool(settings.forwarded_allow_ips),
-        forwarded_allow_ips=list(settings.forwarded_allow_ips) or None,
+        app, port=port, log_level=log_level.lower(), **uvicorn_options(settings)
     )
     state: ServerState = app.state.steer
     server = _Server(config, state, settings.drain_seconds)

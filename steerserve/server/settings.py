@@ -204,6 +204,38 @@ class ServeSettings(BaseSettings):
         "(repeatable), as uvicorn's option: the client address then counts in the per-client "
         "share of engine seats and in the logs. Default: none; the header is ignored.",
     )
+    ssl_keyfile: str | None = Field(None, description="TLS: the private key file (uvicorn's).")
+    ssl_certfile: str | None = Field(
+        None, description="TLS: the certificate file; with --ssl-keyfile the server speaks HTTPS."
+    )
+    ssl_ca_certs: str | None = Field(
+        None, description="TLS: CA certificates to verify client certificates with."
+    )
+    ssl_cert_reqs: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="TLS: whether a client certificate is required (Python's ssl.CERT_NONE 0, "
+        "CERT_OPTIONAL 1, CERT_REQUIRED 2).",
+    )
+    root_path: str = Field(
+        "",
+        description="The path prefix a proxy serves the app under (ASGI root_path), as vLLM's.",
+    )
+    allowed_origins: Names = Field(
+        [],
+        description="CORS: origins whose browser pages may call the API (repeatable, or *). "
+        "Default: none (vLLM allows every origin; here a page on another origin reads nothing).",
+    )
+    allowed_methods: Names = Field(
+        ["*"], description="CORS: the methods allowed to --allowed-origins."
+    )
+    allowed_headers: Names = Field(
+        ["*"], description="CORS: the request headers allowed to --allowed-origins."
+    )
+    allow_credentials: bool = Field(
+        False, description="CORS: let --allowed-origins send cookies and HTTP authentication."
+    )
     open_admin: bool = Field(
         False,
         description="Allow POST /v1/steering/vectors without --api-key on a non-loopback --host "
@@ -305,8 +337,10 @@ def _choices(annotation: Any) -> tuple[str, ...]:
 
 def _default_text(name: str) -> str:
     default = FIELDS[name].default
-    if default is None or default == []:
+    if default is None or default == [] or default == "":
         return ""
+    if isinstance(default, list):
+        return ",".join(default)
     if isinstance(default, bool):
         return "on" if default else "off"
     return str(default)
@@ -372,8 +406,12 @@ def reference() -> str:
         "",
         "Any other `vllm serve` engine flag (`--quantization`, `--max-num-batched-tokens`, "
         "`--enable-chunked-prefill`, `--seed`, `--tokenizer`, ...) is passed to vLLM's engine as "
-        "given: see `vllm serve --help`. Flags steerserve sets itself for steering "
-        "(`--hf-overrides`, `--additional-config`, `--worker-extension-cls`) are refused.",
+        "given: see `steerserve vllm serve --help` (stock vLLM's command line; the CPU install's "
+        "`vllm` command cannot start). Flags steerserve sets itself for steering "
+        "(`--hf-overrides`, `--additional-config`, `--worker-extension-cls`) are refused. "
+        "`vllm serve`'s server options are taken under vLLM's names where they apply (TLS, "
+        "`--root-path`, CORS above); the others are refused with what to use instead "
+        "(`--uvicorn-log-level`: `--log-level`; `--lora-modules`: `--preset`).",
         "",
         "Other variables: `STEERSERVE_CACHE` sets where an embedded model is converted (default "
         "`~/.cache/steerserve`); vLLM's own `VLLM_*` variables pass through.",

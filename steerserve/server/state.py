@@ -66,6 +66,16 @@ class ServerSettings:
     request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
     stream_send_timeout_seconds: float = default("stream_send_timeout_seconds")
     forwarded_allow_ips: tuple[str, ...] = ()  # proxies trusted with X-Forwarded-For (uvicorn)
+    # uvicorn's TLS and root path, and CORS, under vLLM's names (process.uvicorn_options)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = default("ssl_cert_reqs")
+    root_path: str = default("root_path")
+    allowed_origins: tuple[str, ...] = ()  # none: no CORS headers at all
+    allowed_methods: tuple[str, ...] = tuple(default("allowed_methods"))
+    allowed_headers: tuple[str, ...] = tuple(default("allowed_headers"))
+    allow_credentials: bool = default("allow_credentials")
     host: str = default("host")  # the address served (admin endpoints are refused open beyond it)
     open_admin: bool = default("open_admin")
     exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle

@@ -97,7 +97,7 @@ def test_cli_eval_on_dataset(artifact_dir: Path, tiny_gemma: Path, tmp_path: Pat
     out = tmp_path / "eval"
     args = ["lab", "eval", "--model", str(tiny_gemma), "--artifact", str(artifact_dir),
             "--dataset", str(ds), "--out", str(out), "--dtype", "float32",
-            "--kv-cache-bytes", str(64 << 20), "--max-tokens", "3"]  # fmt: skip
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-tokens", "3"]  # fmt: skip
     # The tiny random model never ends a line in 3 tokens: every reply is cut, the run stops.
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1 and "by the 3-token budget" in res.output, res.output
@@ -182,7 +182,14 @@ def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, 
     ds.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     cpath = cands.save(tmp_path / "c.safetensors")
     out, summary = tmp_path / "vec" / "tiny" / "v1", tmp_path / "summary"
-    common = ["--model", str(tiny_gemma), "--dtype", "float32", "--kv-cache-bytes", str(64 << 20)]
+    common = [
+        "--model",
+        str(tiny_gemma),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+    ]
     args = ["lab", "calibrate", "--candidates", str(cpath), "--out", str(out), "--dataset", str(ds)]
     args += ["--holdout", "1", "--variants", "recall.native.diff", "--recall-layers", "1"]
     args += ["--recall-scales", "0.5", "--translation-layers", "2", "--translation-scales", "0.5"]

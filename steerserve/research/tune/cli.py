@@ -87,7 +87,9 @@ def tune(
     max_en_drop: float = typer.Option(0.05, help="English accuracy the vectors may cost (guard)."),
     max_en_logp_drop: float = typer.Option(0.1, help="Nats of English log P(gold) they may cost."),
     batch_size: int = typer.Option(0, help="Scoring batch (0: sized for the machine)."),
-    kv_cache_bytes: int = typer.Option(-1, help=KV_HELP + " -1: sized for the machine."),
+    kv_cache_bytes: int = typer.Option(
+        -1, "--kv-cache-memory-bytes", help=KV_HELP + " -1: sized for the machine."
+    ),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
     stop_after: str = typer.Option(
         "", help="Stop after this stage; the same command later goes on from there."

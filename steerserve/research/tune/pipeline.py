@@ -38,7 +38,7 @@ def sized(cfg: TuneConfig, model_dir: Path) -> tuple[int, int, str]:
     kv_txt = "vLLM's own" if kv == 0 else f"{kv >> 20} MiB"
     line = (
         f"sized for this machine: scoring batch {batch}, engine KV cache {kv_txt} "
-        "(--batch-size / --kv-cache-bytes change them; halve the batch if memory runs out)"
+        "(--batch-size / --kv-cache-memory-bytes change them; halve the batch if memory runs out)"
     )
     return batch, kv, line
 
