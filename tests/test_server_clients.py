@@ -369,3 +369,41 @@ def test_research_renders_chats_as_the_server_does(http: httpx.Client, tiny_llam
         body = {"model": MODEL, "messages": messages, "max_tokens": 1}
         used = http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
         assert used == len(r["tokens"])
+
+
+@pytest.mark.parametrize("extra", [None, STEERED], ids=["unsteered", "steered"])
+def test_anthropic_sdk_messages(server: Server, extra: dict[str, Any] | None) -> None:
+    """``POST /v1/messages`` through the unmodified Anthropic SDK (its ``x-api-key`` header),
+    collected and streamed, steered and not: vLLM's Messages serving, our ``steering`` echoed."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    ask = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES, "temperature": 0}
+    m = client.messages.create(**ask, extra_body=extra)
+    assert m.type == "message" and m.content[0].type == "text" and m.usage.output_tokens > 0
+    assert m.model_extra["steering"]["applied"] is _steering(extra)
+    with client.messages.stream(**ask, extra_body=extra) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == m.content[0].text == final.content[0].text  # greedy: the same answer
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            **ask
+        )
+    with pytest.raises(anthropic.BadRequestError, match="stearing"):
+        client.messages.create(**ask, extra_body={"stearing": True})
+
+
+def test_invocations_route_by_body(http: httpx.Client) -> None:
+    """SageMaker's ``/invocations`` as vLLM serves it: a chat body answers a chat completion, a
+    completions body a completion, steered as on /v1; any other body is a 400."""
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    r = http.post("/invocations", json=chat | STEERED)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text
+    assert r.json()["steering"]["applied"]
+    r = http.post("/invocations", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+    r = http.post("/invocations", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(f"{http.base_url}invocations", json=chat)  # no key
+    assert r.status_code == 401, r.text

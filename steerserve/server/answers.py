@@ -7,6 +7,7 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesResponse as _VMessages
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse as _VChatResponse,
 )
@@ -93,6 +94,12 @@ class ResponsesResponse(_VResponses):
     """vLLM's Responses API answer plus the ``steering`` that was applied; a stream's
     ``response.created``, ``response.in_progress`` and ``response.completed`` events carry it
     in their ``response``."""
+
+    steering: SteeringInfo
+
+
+class MessagesResponse(_VMessages):
+    """vLLM's Anthropic Messages answer, with the answer's ``steering``."""
 
     steering: SteeringInfo
 

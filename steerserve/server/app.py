@@ -30,6 +30,7 @@ from steerserve.server.answers import (
     ABResponse,
     ChatCompletion,
     Completion,
+    MessagesResponse,
     ModelCard,
     ModelList,
     ResponsesResponse,
@@ -67,13 +68,15 @@ async def require_key(request: Request) -> None:
         return
     auth = request.headers.get("authorization", "")
     scheme, _, given = auth.partition(" ")
+    if not auth and "x-api-key" in request.headers:  # the Anthropic SDK's header
+        scheme, given = "bearer", request.headers["x-api-key"]
     # Compared as bytes: headers arrive as latin-1 text, and compare_digest refuses non-ASCII str.
     # Every key is compared (any authenticates), so the time taken does not say which matched.
     sent = given.strip().encode("latin-1")
     matched = [secrets.compare_digest(sent, key.encode()) for key in keys]
     if scheme.lower() != "bearer" or not any(matched):
         raise ApiError(
-            "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or x-api-key)",
             status=401,
             code="invalid_api_key",
         )
@@ -81,9 +84,19 @@ async def require_key(request: Request) -> None:
 
 
 async def require_admin(request: Request) -> None:
-    """The admin endpoints' gate, after the key: ``admin.AdminGate`` (refused beyond loopback
-    without a key, and open on loopback to loopback Host names only: DNS rebinding)."""
-    _state(request).admin.check(request.headers.get("host"))
+    """The admin endpoints' gate, after the key: an admin key where the server has them (their
+    indices follow the API keys' in ``state.api_keys``), else ``admin.AdminGate`` (refused
+    beyond loopback without a key, open on loopback to loopback Host names only)."""
+    state = _state(request)
+    if state.admin_keys:
+        index = getattr(request.state, "key_index", -1)
+        if index < len(state.api_keys) - len(state.admin_keys):
+            raise ApiError(
+                "this endpoint needs an admin key (--admin-key): an API key does not open it",
+                status=403,
+                code="admin_key_required",
+            )
+    state.admin.check(request.headers.get("host"))
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -113,6 +126,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(_v1_router(), dependencies=[Depends(require_key)])
     # vLLM serves tokenization at the root too (``vllm bench serve`` aligns prompts with it)
     app.include_router(_tokenize_router(""), dependencies=[Depends(require_key)])
+    app.include_router(_invocations_router(), dependencies=[Depends(require_key)])
     app.include_router(pages.pages_router())
     admin = [Depends(require_key), Depends(require_admin)]
     app.include_router(pages.experiments_router(), dependencies=admin)
@@ -147,7 +161,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             and any(d.dependency is require_key for d in route.dependencies)
             for method in route.methods
         }
-        P.openapi_errors(doc, keyed, key=bool(app.state.steer.settings.api_keys))
+        P.openapi_errors(doc, keyed, key=bool(app.state.steer.api_keys))
         app.openapi_schema = doc
     return app.openapi_schema
 
@@ -159,6 +173,7 @@ REQUEST_MODELS: list[type[BaseModel]] = [
     P.ChatCompletionRequest,
     P.CompletionRequest,
     P.ResponsesRequest,
+    P.MessagesRequest,
     P.TokenizeRequest,
     P.DetokenizeRequest,
     P.VectorLoadRequest,
@@ -300,6 +315,24 @@ def _tokenize_router(prefix: str) -> APIRouter:
     return r
 
 
+def _invocations_router() -> APIRouter:
+    r = APIRouter()
+    route = _route(P.ChatCompletionRequest, ChatCompletion, True)
+    route["openapi_extra"] = openapi_body(
+        P.ChatCompletionRequest, P.CompletionRequest, P.ResponsesRequest
+    )
+
+    @r.post("/invocations", **route)
+    async def invocations(request: Request) -> Response:
+        """SageMaker's inference route, as vLLM serves it: a chat body is a chat completion, a
+        completions body a completion, a Responses body a response, steered as on /v1."""
+        s = _state(request)
+        body = await P.read_body(request, s.settings.max_body_bytes)
+        return await pipeline.handle(s, request, endpoints.invoked(body), body)
+
+    return r
+
+
 def _v1_router() -> APIRouter:
     r = APIRouter(prefix="/v1")
 
@@ -333,6 +366,11 @@ def _v1_router() -> APIRouter:
     async def responses(request: Request) -> Response:
         """The OpenAI Responses API (vLLM's), steered as chat is."""
         return await pipeline.handle(_state(request), request, endpoints.RESPONSES)
+
+    @r.post("/messages", **_route(P.MessagesRequest, MessagesResponse, True))
+    async def messages(request: Request) -> Response:
+        """The Anthropic Messages API (vLLM's), steered as chat is."""
+        return await pipeline.handle(_state(request), request, endpoints.MESSAGES)
 
     r.include_router(_tokenize_router(""))
 

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 #: Repeatable settings the server keeps as tuples.
 TUPLES = ("forwarded_allow_ips", "allowed_origins", "allowed_methods", "allowed_headers")
 #: Settings whose values may hold a secret (a key, a password in a URL): never echoed in errors.
-SECRETS = ("api_key", "ab_store")
+SECRETS = ("api_key", "admin_key", "ab_store")
 
 
 class OptionError(ValueError):
@@ -244,6 +244,7 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
             # the 4-bit checkpoint's folder is named w4: serve it under its model's name
             "served_model_name": tuple(s.served_model_name) or _w4_name(Path(engine.model)),
             "api_key": tuple(s.api_key),
+            "admin_key": tuple(s.admin_key),
             **{n: tuple(getattr(s, n)) for n in TUPLES},
             "presets": tuple(s.preset),
             "exit_on_failure": True,

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest as _VMessages
 from vllm.entrypoints.generate.base.protocol import (
     _CACHE_SALT_FORBIDDEN_CHARS,
     _MAX_CACHE_SALT_LENGTH,
@@ -100,8 +101,8 @@ REFUSED_FIELDS = {
     "modalities": "only text output is served",
     "prediction": "predicted outputs are not served",
     "web_search_options": "web search is not served",
-    "request_id": "the server names each answer (its experiment ids must be unique): use the "
-    "x-request-id header to correlate logs",
+    "request_id": "the server names each answer: send the X-Request-Id header to name it (as "
+    "vLLM takes it)",
     # vLLM refuses it unless `vllm serve --trust-request-chat-template` (a Jinja template is code
     # run on the server), which steerserve never sets: left out of the document, with the reason
     "chat_template": "a chat template sent with a request is not run (it is code run on the "
@@ -376,6 +377,66 @@ RESPONSES_REFUSED = {
 }
 
 
+def _publish_messages(schema: dict[str, Any]) -> None:
+    """The document says what :meth:`MessagesRequest._strict` enforces."""
+    schema.get("properties", {}).pop("request_id", None)
+    schema["additionalProperties"] = False
+
+
+class MessagesRequest(_VMessages):
+    """vLLM's Anthropic Messages request (``POST /v1/messages``), strict, plus ``steering`` and
+    vLLM's ``seed``; ``request_id`` is the server's (the pipeline names every answer)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_messages)
+
+    steering: Steering = Field(None, description=STEERING_DOC)
+    seed: int | None = Field(None, description="vLLM's sampling seed")
+    request_id: str | None = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        """An unknown top-level field is a 400 naming it (vLLM's model ignores it, so a
+        misspelt ``steering`` would go unsteered); ``request_id`` is refused; integers bounded."""
+        if not isinstance(data, dict):
+            return data
+        for key in data:
+            if key in REFUSED_FIELDS:
+                raise PydanticCustomError(
+                    "refused", "{message}", {"message": REFUSED_FIELDS[key], "field": key}
+                )
+            if key not in cls.model_fields:
+                raise PydanticCustomError("extra_forbidden", "unrecognized", {"field": key})
+        if (path := _out_of_range(data)) is not None:
+            raise PydanticCustomError(
+                "range",
+                "integers must be between -2**63 and 2**64 - 1 (what reaches the engine core)",
+                {"field": path},
+            )
+        return data
+
+    def texts(self) -> list[str]:
+        """The system prompt's and every message's text (the size check)."""
+        return [_blocks_text(self.system), *(_blocks_text(m.content) for m in self.messages)]
+
+    def user_text(self) -> str:
+        """The last user message's text: the language ``auto`` steers by."""
+        for m in reversed(self.messages):
+            if m.role == "user":
+                return _blocks_text(m.content)
+        return ""
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+def _blocks_text(content: Any) -> str:
+    """An Anthropic content (a string or content blocks) as plain text (text blocks joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(b.text or "" for b in content if b.type == "text")
+
+
 class ResponsesRequest(_VResponses):
     """vLLM's Responses API request (``POST /v1/responses``), strict, plus ``steering``."""
 
@@ -605,11 +666,12 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``model`` as a route's JSON body (routes parse it themselves:
-    size limit, content type and OpenAI-format errors)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+def openapi_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``models`` (one of them) as a route's JSON body (routes parse
+    it themselves: size limit, content type and OpenAI-format errors)."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def openapi_components(models: list[type[BaseModel]]) -> dict[str, Any]:

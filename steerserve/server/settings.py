@@ -75,6 +75,12 @@ class ServeSettings(BaseSettings):
         description="Require 'Authorization: Bearer KEY' on /v1/* (repeatable: any of the keys "
         "is accepted). Default: no authentication.",
     )
+    admin_key: Names = Field(
+        [],
+        description="Keys for the admin endpoints (POST /v1/steering/vectors, the experiment's "
+        "pages and data; repeatable): once set, an --api-key no longer opens them, and an admin "
+        "key is accepted wherever an --api-key is. Default: any --api-key opens them.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logging level."
     )

@@ -55,6 +55,7 @@ class ServerSettings:
     # the names clients pass as 'model': the first is reported, the rest are aliases (a str: one)
     served_model_name: str | tuple[str, ...] | None = None
     api_key: str | tuple[str, ...] | None = None  # any of them authenticates (a str: one)
+    admin_key: str | tuple[str, ...] | None = None  # set: only these open the admin endpoints
     steering: str = default("steering")  # default policy: off | on | auto
     max_body_bytes: int = 1 << 20
     max_seqs_per_request: int | None = None  # None: defaults.seqs_per_request's
@@ -98,6 +99,10 @@ class ServerSettings:
         return _values(self.api_key)
 
     @property
+    def admin_keys(self) -> tuple[str, ...]:
+        return _values(self.admin_key)
+
+    @property
     def served_model_names(self) -> tuple[str, ...]:
         return _values(self.served_model_name)
 
@@ -118,7 +123,10 @@ class ServerState:
         names = settings.served_model_names or (Path(settings.engine.model).name,)
         self.model_name = names[0]  # reported; the others are accepted as 'model' too
         self.model_names = frozenset(names)
-        self.api_keys = settings.api_keys  # any of them authenticates (app.require_key)
+        # any of them authenticates (app.require_key); the admin keys, where set, alone open the
+        # admin endpoints (app.require_admin)
+        self.admin_keys = settings.admin_keys
+        self.api_keys = settings.api_keys + self.admin_keys
         engine = dataclasses.replace(settings.engine, served_model_name=self.model_name)
         self.backend = Backend(engine, settings.drain_seconds)
         self.policy = SteeringPolicy(
@@ -152,7 +160,7 @@ class ServerState:
         self.presets: dict[str, Preset] = {}  # model id -> preset, once the artifacts are loaded
         self._preset_options = [parse_option(p) for p in settings.presets]  # ValueError
         # who may load vectors and read the experiment (the app's require_admin asks it)
-        self.admin = AdminGate(settings.host, bool(settings.api_keys), settings.open_admin)
+        self.admin = AdminGate(settings.host, bool(self.api_keys), settings.open_admin)
         if self.admin.refusal:
             logger.warning("POST /v1/steering/vectors is disabled: %s", self.admin.refusal)
 

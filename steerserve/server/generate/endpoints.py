@@ -6,6 +6,7 @@ request takes (``pipeline.py``) is shared; the answers' shapes are vLLM's (``hos
 from __future__ import annotations
 
 import copy
+import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,7 +22,7 @@ class Endpoint:
     """What an endpoint defines; ``pipeline.handle`` does the rest."""
 
     name: str  # the metrics endpoint label
-    schema: type[P.ChatCompletionRequest] | type[P.CompletionRequest] | type[P.ResponsesRequest]
+    schema: type[Any]  # the request's model (protocol.py)
     id_prefix: str
     ab = False  # two arms, unsteered and steered
     done = "data: [DONE]\n\n"  # a stream's last event
@@ -215,6 +216,57 @@ class Responses(Endpoint):
         return f"event: {chunk.get('type', 'error')}\n{sse(chunk)}"
 
 
+class Messages(Endpoint):
+    """``POST /v1/messages``: the Anthropic Messages API (vLLM's), steered as chat is; one answer
+    per request, its ``steering`` at the top (streamed: in ``message_start``'s message)."""
+
+    name = "messages"
+    schema = P.MessagesRequest
+    id_prefix = "chatcmpl"  # vLLM names a Messages answer by the chat completion it converts
+    done = ""  # an Anthropic stream ends with message_stop
+
+    def sequences(self, req: P.MessagesRequest) -> tuple[int, str, str]:
+        return 1, "1", "messages"
+
+    def size(self, req: P.MessagesRequest) -> tuple[int, int, str]:
+        return sum(map(len, req.texts())), 0, "messages"
+
+    def texts(self, req: P.MessagesRequest, tokenizer: Any, vocab_size: int) -> list[str]:
+        return [req.user_text()]
+
+    def serve(self, serving: Any) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def create(req: P.MessagesRequest, raw: Any) -> Any:
+            result = await serving.messages.create_messages(req, raw)
+            if isinstance(result, AsyncIterator):
+                return _data_events(result)
+            return result
+
+        return create
+
+    def dump(self, result: Any) -> dict[str, Any]:
+        return result.model_dump(mode="json", exclude_none=True)
+
+    def label_chunk(self, chunk: dict[str, Any], model: str, steering: Any, first: bool) -> None:
+        if isinstance(message := chunk.get("message"), dict):  # message_start's
+            message["model"] = model
+            message["steering"] = steering
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        return f"event: {chunk.get('type', 'error')}\n{sse(chunk)}"
+
+
+async def _data_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """vLLM's Anthropic events (``event: x`` + ``data: {...}``) as ``data:`` events, the form
+    the stream reads (each JSON names its event in ``type``; :meth:`Messages.sse` writes it)."""
+    try:
+        async for event in events:
+            yield event[event.find("data: ") :] if "data: " in event else event
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 #: The Responses events vLLM sends before the engine has answered anything.
 _OPENING = {"response.created", "response.in_progress"}
 
@@ -307,3 +359,21 @@ def check_ids(ids: list[int], vocab: int, field: str = "prompt") -> None:
 
 #: The endpoints :func:`steerserve.server.generate.pipeline.handle` serves.
 CHAT, AB, COMPLETIONS, RESPONSES = Chat(), ABChat(), Completions(), Responses()
+MESSAGES = Messages()
+
+
+def invoked(body: bytes) -> Endpoint:
+    """The endpoint an ``/invocations`` body is for (SageMaker's one route, as vLLM serves it):
+    a chat body (``messages``), a completions body (``prompt``) or a Responses body (``input``)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise ApiError("request body is not valid JSON", code="invalid_json") from None
+    for key, ep in (("messages", CHAT), ("prompt", COMPLETIONS), ("input", RESPONSES)):
+        if isinstance(data, dict) and key in data:
+            return ep
+    raise ApiError(
+        "messages: an /invocations body is a chat (messages), completions (prompt) or "
+        "Responses (input) request",
+        param="messages",
+    )

@@ -218,6 +218,7 @@ class Serving:
     tool_parser: str | None
     responses: Any  # OpenAIServingResponses
     backend: Backend
+    messages: Any = None  # AnthropicServingMessages (steered_messages)
 
     def planned(self, plan: Plan) -> Serving:
         """The generating objects for one arm's call, their engine bound to ``plan``: shallow
@@ -235,6 +236,7 @@ class Serving:
             chat=bound(self.chat),
             completion=bound(self.completion),
             responses=bound(self.responses),
+            messages=bound(self.messages),
         )
 
 
@@ -326,4 +328,31 @@ def build(
         tool_parser=parser,
         enable_prompt_tokens_details=True,
     )
-    return Serving(chat, completion, tokenization, parser, responses, backend)
+    messages = steered_messages()(
+        engine,
+        models,
+        "assistant",
+        online_renderer=renderer,
+        request_logger=None,
+        enable_prompt_tokens_details=True,
+        **common,
+    )
+    return Serving(chat, completion, tokenization, parser, responses, backend, messages)
+
+
+def steered_messages() -> type:
+    """vLLM's Anthropic Messages serving, whose chat request (it converts each Messages request
+    into one) is named and seeded as the pipeline set them on the Messages request: the
+    answer's id is then the pipeline's, as for chat."""
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    class SteeredMessages(AnthropicServingMessages):
+        @classmethod
+        def to_chat_completion_request(cls, request: Any, **kw: Any) -> Any:
+            chat = super().to_chat_completion_request(request, **kw)
+            if getattr(request, "request_id", None):
+                chat.request_id = request.request_id
+            chat.seed = getattr(request, "seed", None)
+            return chat
+
+    return SteeredMessages

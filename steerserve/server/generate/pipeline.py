@@ -55,10 +55,13 @@ __all__ = ["Call", "finish", "handle", "refused"]  # the app's: counting refused
 # --- the path -----------------------------------------------------------------------------------
 
 
-async def handle(state: ServerState, request: Request, ep: Endpoint) -> Response:
+async def handle(
+    state: ServerState, request: Request, ep: Endpoint, body: bytes | None = None
+) -> Response:
     """Read -> admit -> steer -> plan -> vLLM's serving call -> collect or stream -> finish, each
-    step a function of the request's :class:`Job` (what it reads, what it adds)."""
-    job = Job(state, request, ep, Call(ep.name))
+    step a function of the request's :class:`Job` (what it reads, what it adds); ``body``: read
+    already (``/invocations`` reads it to pick the endpoint)."""
+    job = Job(state, request, ep, Call(ep.name), body=body or b"")
     request.state.call = job.call  # the app's error handlers count a refusal by it
     await read(job)
     await admit(job)
@@ -73,7 +76,7 @@ async def read(job: Job) -> None:
     """The body, parsed; a preset named as the model becomes the request's steering."""
     state, call = job.state, job.call
     call.request_id = request_id(job.request)
-    job.body = await read_body(job.request, state.settings.max_body_bytes)
+    job.body = job.body or await read_body(job.request, state.settings.max_body_bytes)
     req = job.req = parse_request(job.ep.schema, job.body)
     job.preset = preset = check(state, req.model)
     if preset is not None:
