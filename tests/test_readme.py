@@ -160,6 +160,12 @@ def resolve(argv: list[str]) -> tuple[tuple[str, ...], list[str]]:
 
 
 def check_command(argv: list[str]) -> None:
+    if argv[:1] == ["vllm"]:  # stock vLLM's command line: vLLM's own parser is the judge
+        words = [w for w in argv if w != "--help"]
+        p = subprocess.run([STEERSERVE, *words, "--help"], capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+        assert p.returncode == 0, f"`steerserve {' '.join(argv)}`: {p.stderr[-2000:]}"
+        return
     path, rest = resolve(argv)
     shown = f"steerserve {' '.join(argv)}"
     help_ = help_text(*path)

@@ -330,5 +330,8 @@ def resolve_artifact(ref: str, root: str | Path = "vectors") -> Path:
     dirs = [p for p in base.iterdir() if (p / MANIFEST_FILE).is_file()] if base.is_dir() else []
     versions = named(base.name, dirs, lambda p: (base.name, p.name))  # every version, newest first
     if not versions:
-        raise ArtifactError(f"no artifact {ref!r} under {str(root)!r}")
+        raise ArtifactError(
+            f"no artifact {ref!r} under {str(root)!r}: give the artifact's folder as a path "
+            "(as tune --out wrote it), or the folder holding it as --root"
+        )
     return versions[0]

@@ -103,6 +103,11 @@ def run(cfg: TuneConfig, log: Any = print) -> dict[str, Any]:
     if "publish" in state["stages"]:
         report = S.read_json(cfg.out / "report.json")
         log(f"wrote {cfg.out}: {report['verdict']}")
+        # the artifact is where --out says (a path, from here): the commands that read it
+        log(
+            f"inspect: steerserve vectors show {cfg.out}; serve: steerserve serve {cfg.model} "
+            f"--vectors-dir {cfg.out.parent.parent}"
+        )
     return state
 
 
