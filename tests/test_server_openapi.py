@@ -23,7 +23,7 @@ EXAMPLES = 150
 #: The one seed (with ``deterministic``): the same cases every run, so a failure is a mismatch.
 SEED = 1
 #: The routes whose bodies are vLLM's request models.
-GENERATION_PATHS = r"^/v1/(chat/completions(/ab)?|completions|responses)$"
+GENERATION_PATHS = r"^/(v1/(chat/completions(/ab)?|completions|responses|messages)|invocations)$"
 TOKENIZE_PATHS = r"^(/v1)?/(tokenize|detokenize)$"
 #: Checks that must have run (a config change that turned one off fails the test).
 CHECKS = {
