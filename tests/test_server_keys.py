@@ -110,11 +110,12 @@ def test_admin_vector_routes_under_keys(tiny_llama: Path, tmp_path: Path) -> Non
     vectors = tmp_path / "vectors"
     for v in ("v1", "v2"):
         make_artifact(vectors, tiny_llama, v, seed=int(v[1]))
-    bad = make_artifact(vectors, tiny_llama, "v1", name="bent")
-    _reshaped(bad, {"recall": torch.zeros(3, 4), "translation": torch.zeros(3)})
-    huge = make_artifact(vectors, tiny_llama, "v1", name="huge")
-    _reshaped(huge, {"recall": torch.zeros(1 << 24), "translation": torch.zeros(3)})  # 64 MiB
     with tiny_server(tiny_llama, vectors, api_key=API, admin_key=ADMIN) as srv:
+        # written once the server runs (at start such artifacts stop it, naming them)
+        bad = make_artifact(vectors, tiny_llama, "v1", name="bent")
+        _reshaped(bad, {"recall": torch.zeros(3, 4), "translation": torch.zeros(3)})
+        huge = make_artifact(vectors, tiny_llama, "v1", name="huge")
+        _reshaped(huge, {"recall": torch.zeros(1 << 24), "translation": torch.zeros(3)})  # 64 MiB
         admin = {"Authorization": f"Bearer {ADMIN[0]}"}
         with httpx.Client(base_url=srv.url, headers=admin, timeout=120) as c:
 
