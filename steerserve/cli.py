@@ -272,8 +272,8 @@ def vectors_gate(
 # --- lab: the research commands (option parsing in research/cli.py) ------------------------------
 
 lab_app = typer.Typer(
-    help="Research: extract candidate vectors, calibrate, evaluate, analyze and audit them "
-    "(steerserve tune runs the product path in one command).",
+    help="The steps of tune one at a time: extract candidate vectors, calibrate, evaluate and "
+    "analyze them (steerserve tune runs them in one command).",
     no_args_is_help=True,
     rich_markup_mode=None,
 )

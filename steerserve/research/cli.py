@@ -1,6 +1,6 @@
-"""The research commands' options (extract, calibrate, eval, headroom, train-vector, rescore,
-audit-sample, audit-score, analyze): each parses its options into its module's config and calls
-its ``run``; ``cli.py`` registers them under ``steerserve lab`` (see :data:`COMMANDS`).
+"""The research commands' options (extract, calibrate, eval, analyze): each parses its options
+into its module's config and calls its ``run``; ``cli.py`` registers them under ``steerserve
+lab`` (see :data:`COMMANDS`).
 
 Why a file of its own: option declarations with their help texts are most of a command's lines;
 kept apart from the server's and the artifacts' commands, each file stays one screenful per
@@ -333,165 +333,6 @@ def _part(text: str) -> tuple[int, int]:
     return k, n
 
 
-def headroom(
-    out: Path = typer.Option(Path("out/headroom"), help="Writes report.json/md, replies.jsonl."),
-    model: str = typer.Option("default", help=MODEL_HELP),
-    split: str = typer.Option("calib", help="Built-in split (calib: never the test facts)."),
-    part: str = typer.Option("0/2", help="K/N: every N-th fact of each relation from the K-th."),
-    langs: str = typer.Option("", help="Comma-separated languages (default: all 12)."),
-    limit_per_lang: int = typer.Option(0, help="First N facts per language (0: all)."),
-    conditions: str = typer.Option(
-        "", help="Comma-separated: zero, native5, english5, translate (default: all)."
-    ),
-    max_tokens: int = typer.Option(64, help=_MAX_TOKENS_HELP),
-    max_cut_share: float = typer.Option(0.02, help="Exit 1 above this share of cut replies."),
-    dtype: str = typer.Option("auto", help=ENGINE_DTYPE_HELP),
-) -> None:
-    """Chat-form headroom through vLLM, unsteered: the same facts zero-shot, after 5 turns in the
-    query language, after 5 English turns, and handed the English name to write in the query
-    language; asked in English/Chinese are the zero-shot en/zh items. Every reply kept."""
-    from steerserve.research import chat_headroom as hr
-
-    unknown = set(strs(conditions)) - set(hr.CONDITIONS)
-    if unknown:
-        raise typer.BadParameter(f"unknown {sorted(unknown)}", param_hint="--conditions")
-    cfg = hr.Config(
-        model_dir=_resolve_model(model),
-        out=out,
-        split=split,
-        part=_part(part),
-        langs=strs(langs) or None,
-        limit_per_lang=limit_per_lang or None,
-        conditions=strs(conditions) or tuple(hr.CONDITIONS),
-        max_tokens=max_tokens,
-        max_cut_share=max_cut_share,
-        dtype=dtype,
-    )
-    try:
-        report = hr.run(cfg, log=typer.echo)
-    except hr.BudgetError as e:
-        typer.echo(f"error: {e} (report and replies in {out})", err=True)
-        raise typer.Exit(1) from None
-    for cond, a in report["arms"].items():
-        typer.echo(f"{cond:10s} non-English mean {a['non_english_mean']:.3f}")
-    typer.echo(f"wrote {out}/report.json, report.md, replies.jsonl")
-
-
-def train_vector(
-    out: Path = typer.Option(..., help="The artifact folder to write (one intervention)."),
-    model: str = typer.Option("default", help=MODEL_HELP),
-    layer: int = typer.Option(16, help="The block whose output the vector is added to."),
-    relations: str = typer.Option(
-        "capital_of,city_in", help="Relations trained on; the others are held out."
-    ),
-    langs: str = typer.Option("", help="Comma-separated languages (default: all 12)."),
-    replies: Path | None = typer.Option(
-        None,
-        help="The model's unsteered replies to the calibration split's first half "
-        "(a headroom or eval replies.jsonl); default: generated here (slow on a CPU).",
-    ),
-    replies_arm: str = typer.Option("zero", help="Which arm of --replies is unsteered."),
-    report_dir: Path = typer.Option(
-        Path("out/train-vector"), help="curve.json, confirmation.jsonl."
-    ),
-    steps: int = typer.Option(60, help="Gradient steps at most (early stop on held-aside items)."),
-    batch_size: int = typer.Option(16, help="Items per step."),
-    lr: float = typer.Option(
-        0.05,
-        help="About how far ||v|| moves per step, in units of the block's mean residual norm (Adam).",
-    ),
-    norm_cap: float = typer.Option(0.5, help="Largest ||v|| in units of that norm."),
-    kl_weight: float = typer.Option(1.0, help="Weight of the English KL term (0: none)."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 or float32 weights."),
-    threads: int = typer.Option(0, help="torch threads (0: torch's default)."),
-) -> None:
-    """Learn one steering vector by gradient on the gold name after the model's own prefix,
-    pooled over the non-English languages, English kept by a KL term."""
-    from steerserve.research import train_vector as tv
-    from steerserve.research import train_vector_run as tr
-
-    cfg = tr.RunConfig(
-        model_dir=_resolve_model(model), out=out, relations=strs(relations),
-        langs=strs(langs) or None, replies=replies, replies_arm=replies_arm,
-        report_dir=report_dir, dtype=dtype, threads=threads,
-        train=tv.TrainConfig(layer=layer, steps=steps, batch_size=batch_size, lr=lr,
-                             norm_cap=norm_cap, kl_weight=kl_weight),
-    )  # fmt: skip
-    try:
-        tr.run(cfg, log=typer.echo)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--replies/--langs/--relations") from None
-
-
-def rescore(
-    out: Path = typer.Argument(..., help="A finished eval or headroom folder (replies.jsonl)."),
-    dataset: Path | None = typer.Option(
-        None, help="The eval's --dataset, when it ran on a file (default: the built-in facts)."
-    ),
-    caps: str = typer.Option(
-        "",
-        help="Comma-separated token budgets (e.g. 8,12): print each arm's non-English mean had "
-        "the replies been cut there (the same replies; nothing is rewritten).",
-    ),
-    model: str = typer.Option("default", help="Whose tokenizer counts the tokens for --caps."),
-) -> None:
-    """Score a finished run again from its kept replies with the current scorer (no model):
-    report.json/md and the replies' verdicts are rewritten and marked rescored."""
-    from steerserve.research import rescore as rs
-
-    if caps:
-        for arm, row in rs.capped(out, ints(caps), _resolve_model(model), dataset).items():
-            cells = ", ".join(
-                f"{f'{c} tokens' if c else 'whole'} {100 * v:.1f}" for c, v in row.items()
-            )
-            typer.echo(f"{arm:12s} non-English mean cut at {cells}")
-        return
-    report = rs.run(out, dataset)
-    for arm, a in report["arms"].items():
-        typer.echo(f"{arm:12s} non-English mean {a['non_english_mean']:.3f}")
-    typer.echo(f"rescored {out}")
-
-
-def audit_sample(
-    replies: Path = typer.Argument(..., help="A run's replies.jsonl."),
-    out: Path = typer.Option(..., help="Writes the blind sample (JSONL) to read and judge."),
-    per_lang: str = typer.Option("ja=42,ko=42,zh=28,fr=28,es=28", help="LANG=N,..."),
-    seed: int = typer.Option(0, help="Which replies are drawn."),
-) -> None:
-    """Draw replies to read, without the scorer's verdicts; a reader adds "correct" and
-    "script" (query, latin, han, other) to each line for audit-score."""
-    from steerserve.research import audit
-
-    n = {k: int(v) for k, v in (x.split("=") for x in strs(per_lang))}
-    rows = audit.sample(audit.read_replies(replies), n, seed)
-    audit.write_jsonl(out, rows)
-    typer.echo(f"wrote {len(rows)} replies to read to {out}")
-
-
-def audit_score(
-    replies: Path = typer.Argument(..., help="The run's replies.jsonl."),
-    judged: Path = typer.Argument(..., help="The sample with the readers' judgements."),
-    out: Path = typer.Option(..., help="Writes the agreement (JSON)."),
-) -> None:
-    """The scorer against reading: false positive and negative rates, script agreement."""
-    import json
-
-    from steerserve.research import audit
-    from steerserve.research.rescore import run_records
-
-    asked = run_records(replies.parent) if (replies.parent / "report.json").is_file() else None
-    res = audit.compare(audit.read_jsonl(judged), audit.read_replies(replies), asked)
-    out.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    for group in ("all", "ja/ko", "other"):
-        g = res.get(group)
-        if g:
-            fp, fn = g["false_positive"], g["false_negative"]
-            typer.echo(
-                f"{group}: n={g['n']} false positives {fp['k']}/{fp['n']}, false negatives "
-                f"{fn['k']}/{fn['n']}, script agrees {g['script_agrees']['k']}/{g['n']}"
-            )
-
-
 def analyze(
     out: Path = typer.Option(
         Path("out/analysis"), help="Writes report.json, report.md and PNG figures here."
@@ -561,51 +402,10 @@ def _facts_langs() -> tuple[str, ...]:
     return LANGS
 
 
-def translation_vector(
-    out: Path = typer.Option(
-        ..., help="The artifact folder to write, ROOT/NAME/VERSION (VERSION: the folder's name)."
-    ),
-    model: str = typer.Option("default", help=MODEL_HELP),
-    layer: int = typer.Option(..., help="The block whose output the vector is added to."),
-    scale: float = typer.Option(0.5, help="Times the raw difference (raw units)."),
-    langs: str = typer.Option("ja,ko,zh", help="Languages the train facts are pooled over."),
-    form: str = typer.Option("auto", help=FORM_HELP + " (by the model's name)."),
-    means: Path | None = typer.Option(
-        None, help="Kept group means (torch file): reused when present, else computed and kept."
-    ),
-    name: str = typer.Option("", help="The artifact's name (default: the model folder's name)."),
-    description: str = typer.Option("", help="The manifest's description."),
-    calibration: Path | None = typer.Option(
-        None, help="JSON object copied into the manifest: how the setting was chosen, checked."
-    ),
-    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing artifact."),
-) -> None:
-    """Build a one-intervention artifact: the translation difference vector (zero-shot
-    'Translate into <lang>' minus zero-shot questions, last prompt token) at one block."""
-    from steerserve.research import translation_artifact as ta
-
-    try:
-        cal = ta.read_calibration(calibration)
-    except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="--calibration") from None
-    cfg = ta.TranslationArtifactConfig(
-        _resolve_model(model), out, layer, scale, strs(langs), form, means, name or None,
-        description, cal, threads=threads, overwrite=overwrite,
-    )  # fmt: skip
-    call_run(ta.run, cfg)
-
-
 #: (command name, function) in the order ``steerserve --help`` lists them.
 COMMANDS: tuple[tuple[str, Callable[..., None]], ...] = (
     ("extract", extract),
     ("calibrate", calibrate),
     ("eval", eval_cmd),
-    ("headroom", headroom),
-    ("train-vector", train_vector),
-    ("rescore", rescore),
-    ("audit-sample", audit_sample),
-    ("audit-score", audit_score),
     ("analyze", analyze),
-    ("translation-vector", translation_vector),
 )

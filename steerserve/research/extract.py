@@ -52,7 +52,6 @@ LANG_NAMES: dict[str, str] = {
     "nl": "Dutch", "ar": "Arabic",
 }  # fmt: skip
 RECALL_SOURCES: tuple[str, ...] = ("en", "native", "mixed")
-RECALL_KINDS: tuple[str, ...] = ("raw", "diff")
 NORM_KEY = "resid_norm"  # [num_layers]: mean |h| at the last token of zero-shot queries
 
 

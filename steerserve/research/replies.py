@@ -134,12 +134,6 @@ def judge(rec: Mapping[str, Any], arm: str, gen: Generation) -> Reply:
     )
 
 
-def rejudge(rec: Mapping[str, Any], reply: Reply) -> Reply:
-    """A kept reply judged again by today's scorer (it stopped at the budget if it was cut or
-    looping then)."""
-    return judge(rec, reply.arm, Generation(reply.text, reply.tokens, reply.cut or reply.loop))
-
-
 class BudgetError(RuntimeError):
     """Too many replies were cut by the token budget: the accuracies would be wrong."""
 
@@ -166,9 +160,3 @@ def write_replies(path: str | Path, replies: Iterable[Reply]) -> Path:
     lines = (json.dumps(asdict(r), ensure_ascii=False) for r in replies)
     p.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return p
-
-
-def read_replies(path: str | Path) -> list[Reply]:
-    """The replies of a run, as written by :func:`write_replies`."""
-    text = Path(path).read_text(encoding="utf-8")
-    return [Reply(**json.loads(line)) for line in text.splitlines() if line.strip()]

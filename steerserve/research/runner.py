@@ -197,10 +197,6 @@ def edits_of(step: Step) -> tuple[Edit, ...]:
     return () if step is None else (step,) if isinstance(step, Edit) else tuple(step)
 
 
-def step_name(step: Step) -> str:
-    return "+".join(e.name for e in edits_of(step)) or "none"
-
-
 def _kind(e: Edit) -> str:
     return e.entry.op
 

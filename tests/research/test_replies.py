@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,8 @@ def test_judge_keeps_the_reason_and_round_trips(tmp_path: Path) -> None:
     cut = rp.judge(JA, "both", rp.Generation("ロシアの首都は", 4, hit_budget=True))
     assert cut.cut and cut.why.endswith("cut by the budget after 4 tokens")
     path = rp.write_replies(tmp_path / "r" / "replies.jsonl", [ok, en, cut])
-    assert rp.read_replies(path) == [ok, en, cut]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert [rp.Reply(**json.loads(line)) for line in lines] == [ok, en, cut]
 
 
 def test_a_loop_stopped_by_the_budget_is_not_a_cut() -> None:
