@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 from steerserve.engine.spec import PHASE_GENERATED, PHASE_LAST_PROMPT, PHASE_PROMPT
-from steerserve.models.chat import reply_separator
 from steerserve.research.arms import UNSTEERED, arm_entries, arm_vectors, check_arms
-from steerserve.research.facts import ANSWER_SEP
 from steerserve.research.hf import (
     Batch,
     decoder_layers,
@@ -33,7 +31,7 @@ from steerserve.research.hf import (
     last_token_outputs,
     left_padded,
 )
-from steerserve.research.records import encode, record_prompt
+from steerserve.research.records import answer_sep, encode, record_prompt
 from steerserve.research.reference import steering_hooks
 from steerserve.research.scorer import score_record
 
@@ -79,18 +77,6 @@ class Item:
 
 
 # --- tokens and ranks -------------------------------------------------------------------------
-
-
-def answer_sep(record: Mapping[str, Any], tokenizer: Any = None) -> str:
-    """What follows the prompt before the answer: the record's ``sep``, else for a chat what
-    follows the rendered chat (:func:`steerserve.models.chat.reply_separator`), else the fact set's."""
-    if "sep" in record:
-        return str(record["sep"])
-    if "messages" in record:
-        return reply_separator(tokenizer)
-    if record["prompt"][-1:].isspace():
-        return ""
-    return ANSWER_SEP.get(record["lang"], " ")
 
 
 def first_tokens(tokenizer: Any, prompt: str | None, sep: str, answers: Sequence[str]) -> list[int]:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from steerserve.models.chat import chat_ids, check_messages
-from steerserve.research.facts import FORMS, default_shots, eval_records
+from steerserve.models.chat import chat_ids, check_messages, reply_separator
+from steerserve.research.facts import ANSWER_SEP, FORMS, default_shots, eval_records
 from steerserve.research.scorer import fold
 
 Prompt = str | list[dict[str, str]]  # completion text or chat messages
@@ -23,6 +23,18 @@ Prompt = str | list[dict[str, str]]  # completion text or chat messages
 def form_of(rec: Mapping[str, Any]) -> str:
     """``chat`` for a record with messages, else ``completion``."""
     return "chat" if "messages" in rec else "completion"
+
+
+def answer_sep(record: Mapping[str, Any], tokenizer: Any = None) -> str:
+    """What follows the prompt before the answer: the record's ``sep``, else for a chat what
+    follows the rendered chat (:func:`steerserve.models.chat.reply_separator`), else the fact set's."""
+    if "sep" in record:
+        return str(record["sep"])
+    if "messages" in record:
+        return reply_separator(tokenizer)
+    if record["prompt"][-1:].isspace():
+        return ""
+    return ANSWER_SEP.get(record["lang"], " ")
 
 
 def check_record(rec: Any, where: str = "") -> dict:

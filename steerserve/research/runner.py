@@ -35,9 +35,8 @@ from steerserve.engine.spec import (
     SteeringEntry,
 )
 from steerserve.models.chat import chat_ids, reply_separator
-from steerserve.research.analyze import answer_sep
 from steerserve.research.hf import decoder_layers, left_padded
-from steerserve.research.records import form_of
+from steerserve.research.records import answer_sep, form_of
 from steerserve.research.replies import CHAT_BUDGET, COMPLETION_BUDGET, span_ended
 from steerserve.research.scorer import contains, first_sentence, normalise, score_record
 

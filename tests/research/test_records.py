@@ -73,3 +73,11 @@ def test_default_form() -> None:
     assert rd.default_form("/m/gemma-3-270m", "chat") == "chat"
     with pytest.raises(ValueError, match="unknown form"):
         rd.default_form("/m/x", "text")
+
+
+def test_answer_sep_by_record_then_language() -> None:
+    """The record's ``sep`` wins; a prompt ending in a space needs none; else the fact set's."""
+    assert rd.answer_sep({"lang": "ja", "prompt": "首都："}) == ""
+    assert rd.answer_sep({"lang": "fr", "prompt": "Capitale :"}) == " "
+    assert rd.answer_sep({"lang": "xx", "prompt": "Q: ", "sep": "\t"}) == "\t"
+    assert rd.answer_sep({"lang": "fr", "prompt": "Capitale : "}) == ""
