@@ -149,8 +149,33 @@ def test_schema_is_created_and_migrated_once(
     for s in stores:
         s.close()
     monkeypatch.undo()
-    with pytest.raises(ValueError, match=r"newer than this steerserve's 1: upgrade steerserve"):
+    now = len(schema.MIGRATIONS)
+    with pytest.raises(
+        ValueError, match=rf"newer than this steerserve's {now}: upgrade steerserve"
+    ):
         open_store(backend.url)
+
+
+def test_a_version_1_store_migrates_and_its_feedback_is_the_human_score(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56: a store written before feedback named its metric (schema 1) is migrated by the
+    next start (the ``metric`` column added), and its old scores read back as ``feedback``."""
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    with open_store(backend.url) as old, old._tx() as cur:
+        rec = decision("carol", 0, Experiment("old", 0.5)) | {"ts": 1.0, "id": "c0"}
+        old._decision(cur, rec, "r")
+        cur.execute(
+            f"INSERT INTO {schema.FEEDBACK} (fid, id, ts, score, replica) VALUES (?, ?, ?, ?, ?)",
+            ("f0", "c0", 2.0, 1.0, "r"),
+        )
+    monkeypatch.undo()
+    with open_store(backend.url) as store:
+        assert store.version() == len(schema.MIGRATIONS) == 2
+        fb = [r for r in store.records() if r["type"] == "feedback"]
+        assert fb == [{"type": "feedback", "ts": 2.0, "id": "c0", "score": 1.0}]
+        rows = ab_report.report(store)["experiments"]["old"]["overall"]["arms"]
+    assert sum(a["score"]["n"] for a in rows.values()) == 1
 
 
 # --- records and reports --------------------------------------------------------------------------

@@ -252,8 +252,9 @@ def _verdict(results: Mapping[str, Any], primary: str, min_n: int) -> tuple[str 
         return None, f"no {primary} values yet: no winner"
     if r["status"] == "too few":
         n = r["n"]
+        what = "scored replies" if primary == ab_metrics.FEEDBACK else f"{primary} values"
         return None, (
-            f"too few scored replies to call a winner (need {min_n} per arm; steered "
+            f"too few {what} to call a winner (need {min_n} per arm; steered "
             f"{n[STEERED]}, unsteered {n[UNSTEERED]})"
         )
     why = f"{diff_text(r['difference'])} always-valid at {r['difference']['alpha']:.2g}"

@@ -50,7 +50,16 @@ def _needed(r: Mapping[str, Any]) -> str:
     if not n:
         return "–"
     eff = f"{n['effect']:.0%}" if r["difference"]["relative"] else f"{n['effect']:g}"
-    return f"~{n['subjects']} subjects ({n['values']} values) for {eff}"
+    if not (n["subjects"] or n["values"]):
+        return f"enough for {eff}"
+    return f"~{n['subjects']} more subjects ({n['values']} values) for {eff}"
+
+
+def _call(r: Mapping[str, Any]) -> str:
+    """A metric's verdict in a few words (the page says the same; the sentence is in JSON)."""
+    if r["status"] == "called":
+        return f"{r['better']} better" + (" (guardrail harmed)" if r["harm"] else "")
+    return {"open": "no difference yet", "too few": "too few values"}.get(r["status"], r["status"])
 
 
 def _metric_rows(label: str, group: Mapping[str, Any]) -> list[str]:
@@ -68,7 +77,7 @@ def _metric_rows(label: str, group: Mapping[str, Any]) -> list[str]:
             _fmt(mean[STEERED]),
             _fmt(mean[UNSTEERED]),
             diff_text(r["difference"]),
-            r["verdict"],
+            _call(r),
             _needed(r),
         ]
         out.append("| " + " | ".join(cells) + " |")
@@ -116,7 +125,7 @@ def experiment_markdown(name: str, exp: Mapping[str, Any]) -> list[str]:
     lines += [
         "",
         "| metric | group | steered n (subjects) | unsteered n (subjects) | steered | unsteered "
-        "| steered − unsteered [always-valid CI] | verdict | still needed |",
+        "| steered − unsteered [always-valid CI] | call | still needed |",
         "|---|---|---|---|---|---|---|---|---|",
         *_metric_rows("all", o),
     ]
@@ -146,7 +155,7 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         "of the experiment's metrics and languages: read at every refresh, all of an "
         "experiment's verdicts together call a false winner with probability at most "
         f"{rep['alpha']:g}, so it may be watched live and stopped at any time. A verdict needs "
-        f"{rep['min_scored_per_arm']} values per arm (fixed by the server).",
+        f"{rep['min_scored_per_arm']} values per arm.",
     ]
     if note := ignored_note(rep):
         lines += ["", f"{note}."]

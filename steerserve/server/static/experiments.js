@@ -131,7 +131,7 @@
       xs.map((v, i) => `${x(v)},${y(seq.lo[i])}`).reverse()).join(" ");
     const line = xs.map((v, i) => `${x(v)},${y(seq.diff[i])}`).join(" ");
     return svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, class: "sequence" },
-      svg("text", { x: 4, y: 15, class: "title", text: `${seq.metric}: confidence sequence over time (always-valid, at ${num(seq.alpha, 2)})` }),
+      svg("text", { x: 4, y: 15, class: "title", text: `${seq.metric} over time: confidence sequence at ${num(seq.alpha, 2)}` }),
       svg("polygon", { points: band, class: "band" }),
       svg("polyline", { points: line, class: "mid" }),
       svg("line", { x1: L, x2: W - R, y1: y(0), y2: y(0), class: "zero" }),
