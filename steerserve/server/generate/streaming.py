@@ -93,7 +93,8 @@ class BoundedStream(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         async def bounded(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.send_timeout)
+                async with asyncio.timeout(self.send_timeout):  # no task per write
+                    await send(message)
             except TimeoutError:
                 raise _Stalled from None
 
