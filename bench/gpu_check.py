@@ -283,7 +283,7 @@ def check_oracle(
     from transformers import AutoModelForCausalLM
 
     from steerserve.engine.spec import SteeringEntry
-    from steerserve.research.reference import greedy
+    from steerserve.tune.reference import greedy
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).cuda().eval()
     vecs = {k: v.cuda() for k, v in vecs.items()}

@@ -3,7 +3,7 @@
 Runs ``steerserve eval`` (arm ``unsteered``, every reply kept) once on the converted
 checkpoint and once on its 4-bit sibling, on the same records, then pairs the replies item by
 item: per-language and language-mean accuracy of each, and the paired bootstrap difference
-(4-bit − full) with its 95 % interval (steerserve.research.scoring, resampling items within
+(4-bit − full) with its 95 % interval (steerserve.tune.scoring, resampling items within
 languages). The plan is declared in ``docs/results/w4-quality/plan.md`` before the run.
 
     .venv/bin/python bench/w4_quality.py --out docs/results/w4-quality --limit-per-lang 40
@@ -49,7 +49,7 @@ def correct_by_lang(out: Path) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     from steerserve.models import resolve_model, w4_dir
-    from steerserve.research.scoring import bootstrap_mean, lang_mean, paired_bootstrap
+    from steerserve.tune.scoring import bootstrap_mean, lang_mean, paired_bootstrap
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results/w4-quality")

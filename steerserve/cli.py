@@ -8,9 +8,8 @@ from typing import Any
 
 import typer
 
-from steerserve.research import cli as research_cli
-from steerserve.research.tune import cli as tune_cli
 from steerserve.server.settings import typer_parameters
+from steerserve.tune import cli as tune_cli
 
 # Help texts are plain text, not rich markup: "NAME[/VERSION]" is an argument's form, not a tag.
 app = typer.Typer(
@@ -269,7 +268,7 @@ def vectors_gate(
     raise typer.Exit(vg.gate(src, version, gates, _root(root), description))
 
 
-# --- lab: the research commands (option parsing in research/cli.py) ------------------------------
+# --- lab and tune: making vectors (their commands in tune/cli/) ----------------------------------
 
 lab_app = typer.Typer(
     help="The steps of tune one at a time: extract candidate vectors, calibrate, evaluate and "
@@ -278,9 +277,9 @@ lab_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(lab_app, name="lab")
-for _name, _command in research_cli.COMMANDS:
+for _name, _command in tune_cli.LAB:
     lab_app.command(_name)(_command)
-app.command("tune")(tune_cli.tune)
+app.command("tune")(tune_cli.TUNE)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research.reference import greedy
+from steerserve.tune.reference import greedy
 
 LOGPROB_ATOL = 2e-4
 MAX_TOKENS = 10

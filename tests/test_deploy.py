@@ -841,7 +841,7 @@ import sys
 from pathlib import Path
 
 from _engine_helpers import MAX_TOKENS, check_against_reference, engine, load_hf, prompts, vectors
-from steerserve.research.reference import greedy
+from steerserve.tune.reference import greedy
 
 if __name__ == "__main__":
     model = Path(sys.argv[1])

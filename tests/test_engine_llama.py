@@ -143,7 +143,7 @@ def test_ablate_leaves_the_stream_orthogonal(eng, hf):
     import torch
 
     from steerserve.engine.spec import SteeringEntry
-    from steerserve.research.reference import phases, steering_hooks
+    from steerserve.tune.reference import phases, steering_hooks
 
     v = vectors(eng.shape.hidden_size)["alpha"]
     u = v / v.norm()

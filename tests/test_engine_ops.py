@@ -38,10 +38,10 @@ def test_every_row_is_complete():
 def test_every_copy_derives_from_the_registry():
     """The entry is described in one place: these are the copies that must agree with it."""
     from steerserve.artifacts import Intervention
-    from steerserve.research.calibrate import Setting
-    from steerserve.research.runner import Edit, entry_edits
     from steerserve.server.answers import AppliedIntervention
     from steerserve.server.steering import _ENTRY_SCHEMA
+    from steerserve.tune.calibrate import Setting
+    from steerserve.tune.runner import Edit, entry_edits
 
     props = _ENTRY_SCHEMA["properties"]
     assert props["op"]["enum"] == list(engine_ops()) and props["op"]["default"] == DEFAULT_OP
@@ -165,7 +165,7 @@ def test_the_stated_order_non_additive_in_entry_order_then_add():
     want = OPS["add"].reference(want, b, 1.5)
     torch.testing.assert_close(hx + hr, want, rtol=0, atol=1e-6)
     # the transformers oracle applies the same order, whatever order the entries come in
-    from steerserve.research.reference import steering_hooks
+    from steerserve.tune.reference import steering_hooks
 
     model = torch.nn.Module()
     model.model = torch.nn.Module()

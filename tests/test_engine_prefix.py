@@ -19,7 +19,7 @@ from _engine_helpers import engine, load_hf, vectors
 
 from steerserve.engine import prefix, spec
 from steerserve.engine.spec import SteeringEntry
-from steerserve.research.reference import greedy
+from steerserve.tune.reference import greedy
 
 BLOCK = 32
 SHARED = 288  # the full blocks before the one holding token 299, the last prompt token

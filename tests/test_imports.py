@@ -117,8 +117,8 @@ def test_no_import_circles() -> None:
 
 #: The layers, lowest first: a module imports its own layer's and lower ones only. The engine
 #: runs inside vLLM and knows nothing of the rest; artifacts and models describe what it runs;
-#: the server and the research wing use those (and never each other); the CLI sits on top.
-LAYERS = {"engine": 0, "artifacts": 1, "models": 1, "server": 2, "research": 2, "cli": 3}
+#: the server and tune (making vectors) use those (and never each other); the CLI sits on top.
+LAYERS = {"engine": 0, "artifacts": 1, "models": 1, "server": 2, "tune": 2, "cli": 3}
 
 
 def _layer(module: str) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from _engine_helpers import MAX_TOKENS, prompts, run, vectors
 
 from steerserve.engine.spec import SteeringEntry
 from steerserve.models import quantize as Q
-from steerserve.research.reference import greedy
+from steerserve.tune.reference import greedy
 
 GROUP = 32
 # On a CPU with AMX vLLM serves 4-bit weights through int4_scaled_mm_cpu, which also quantizes

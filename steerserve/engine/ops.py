@@ -10,7 +10,7 @@ residual stream ``h`` at the output of decoder block ``L`` on the tokens ``p`` s
 
 Order on one layer: the non-additive entries first, in entry order, then the additive ones
 (summed into one delta). The engine (``engine/kernels.py``), the transformers oracle
-(``research/reference.py``) and the research runner (``research/runner.py``) apply this order.
+(``tune/reference.py``) and the transformers runner (``tune/runner.py``) apply this order.
 
 Everything else derives from :data:`OPS`: entry validation, wire encoding and cache salt
 (``engine/spec.py``), the worker's buffers (``engine/buffers.py``), the request's JSON schema
