@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
@@ -39,33 +38,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import _free_port, _tiny  # noqa: E402
-from latency import Proc, cpu_info  # noqa: E402
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-#: Two-sided 95 % t quantiles by degrees of freedom (rounds - 1).
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-T95 |= {10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110}
-T95 |= {18: 2.101, 19: 2.093, 20: 2.086, 23: 2.069, 29: 2.045}
 
 
-def start(arm: str, model: Path | str, vectors: Path | None, store: str | None, logs: Path) -> Proc:
+def start(
+    arm: str, model: Path | str, vectors: Path | None, store: str | None, logs: Path
+) -> harness.Server:
     """One server of the pair: the tiny model (a folder, with its artifact) in float32, or an
     embedded model by name with its shipped vectors and the server's own dtype."""
-    port = str(_free_port())
-    cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model), "--port", port]
-    cmd += ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20)]
+    flags = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20)]
     if vectors is not None:
-        cmd += ["--dtype", "float32", "--vectors-dir", str(vectors)]
-    cmd += ["--log-level", "warning", "--api-key", KEY]
-    cmd += ["--ab-split", "0.5", "--ab-name", "bench", "--served-model-name", "tiny"]
-    if store:
-        cmd += ["--ab-store", store]
-    return Proc(arm, cmd, dict(os.environ), logs / f"{arm}.log")
+        flags += ["--dtype", "float32", "--vectors-dir", str(vectors)]
+    flags += ["--log-level", "warning", "--api-key", KEY]
+    flags += ["--ab-split", "0.5", "--ab-name", "bench", "--served-model-name", "tiny"]
+    flags += ["--ab-store", store] if store else []
+    return harness.serve(arm, model, flags, logs / arm, wait=False)
 
 
 async def load(url: str, n: int, clients: int, tokens: int, tag: str) -> dict[str, float]:
@@ -95,22 +86,6 @@ async def load(url: str, n: int, clients: int, tokens: int, tag: str) -> dict[st
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"rps": n / wall, "p50_ms": statistics.median(latencies) * 1e3}
-
-
-def interval(ratios: list[float]) -> dict[str, float]:
-    """The geometric mean of per-round ratios and its 95 % t-interval (on the logs: a ratio of
-    2 and one of 1/2 average to 1), and the median ratio."""
-    logs = [math.log(r) for r in ratios]
-    m = statistics.fmean(logs)
-    half = math.nan
-    if len(logs) > 1:
-        half = T95.get(len(logs) - 1, 2.09) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {
-        "mean": math.exp(m),
-        "lo": math.exp(m - half),
-        "hi": math.exp(m + half),
-        "median": statistics.median(ratios),
-    }
 
 
 def per_record(store: str, n: int) -> dict[str, float]:
@@ -162,13 +137,13 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ab-store-") as tmp:
         root = Path(tmp)
-        model, vectors = _tiny(root) if a.model == "tiny" else (a.model, None)
+        model, vectors = harness.tiny_with_vectors(root) if a.model == "tiny" else (a.model, None)
         store = a.store or f"sqlite:///{root}/ab.db"
         arms = (("off", None), ("store", None if a.control else store))
         procs = {arm: start(arm, model, vectors, s, root) for arm, s in arms}
         try:
             for p in procs.values():
-                p.wait_ready("/ready")
+                p.wait_ready()
             rows = run(procs, a)
             if not a.control:
                 check(procs["store"], a)
@@ -176,12 +151,12 @@ def main() -> None:
             for p in procs.values():
                 p.stop()
         micro = per_record(a.store or f"sqlite:///{root}/micro.db", a.micro)
-    rps = interval([r["store"]["rps"] / r["off"]["rps"] for r in rows])
-    p50 = interval([r["store"]["p50_ms"] / r["off"]["p50_ms"] for r in rows])
-    cpu = interval([r["store"]["cpu_ms"] / r["off"]["cpu_ms"] for r in rows])
+    rps = harness.geometric_ci([r["store"]["rps"] / r["off"]["rps"] for r in rows])
+    p50 = harness.geometric_ci([r["store"]["p50_ms"] / r["off"]["p50_ms"] for r in rows])
+    cpu = harness.geometric_ci([r["store"]["cpu_ms"] / r["off"]["cpu_ms"] for r in rows])
     out = {
         "model": a.model,
-        "cpu": cpu_info(),
+        "cpu": harness.cpu_info(),
         "cores": os.cpu_count(),
         "store": "none (control)" if a.control else store.split("://")[0],
         "settings": vars(a),
@@ -204,19 +179,7 @@ def main() -> None:
     )
 
 
-def cpu_seconds(p: Proc) -> float:
-    """CPU time of a server's processes so far (the store's writer thread included)."""
-    total = 0.0
-    for proc in p.tree():
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except Exception:  # a process that just ended
-            continue
-    return total
-
-
-def run(procs: dict[str, Proc], a: argparse.Namespace) -> list[dict[str, Any]]:
+def run(procs: dict[str, harness.Server], a: argparse.Namespace) -> list[dict[str, Any]]:
     """Warm both, then the rounds, the order alternating. Besides requests/s and p50 (wall
     clock: what a client sees, but as noisy as the machine), the server's CPU milliseconds per
     request: what the store adds to the server's work, far less moved by other jobs."""
@@ -227,17 +190,17 @@ def run(procs: dict[str, Proc], a: argparse.Namespace) -> list[dict[str, Any]]:
         order = ("off", "store") if i % 2 == 0 else ("store", "off")
         row = {}
         for arm in order:
-            cpu = cpu_seconds(procs[arm])
+            cpu = procs[arm].cpu_seconds()
             row[arm] = asyncio.run(
                 load(procs[arm].url, a.requests, a.clients, a.tokens, f"r{i}-{arm}")
             )
-            row[arm]["cpu_ms"] = (cpu_seconds(procs[arm]) - cpu) / a.requests * 1e3
+            row[arm]["cpu_ms"] = (procs[arm].cpu_seconds() - cpu) / a.requests * 1e3
         rows.append(row)
         print(f"round {i}: {json.dumps(row)}", file=sys.stderr)
     return rows
 
 
-def check(p: Proc, a: argparse.Namespace) -> None:
+def check(p: harness.Server, a: argparse.Namespace) -> None:
     """The store arm's records all reached the store: its queue drained, nothing dropped, as
     many decisions written as it answered requests (warm-up included)."""
     while True:

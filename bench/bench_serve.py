@@ -10,7 +10,7 @@ degeneracy check made every steered request compute). Each server start serves o
 workload per arm and concurrency (its first use of each steered shape, printed and kept), then
 ``--repeats`` counted passes over the arms in ABBA order; a round's value is the median of its
 repeats. Ratios per round (paired: the same server or the same round), their median and seeded
-95 % bootstrap interval over rounds (latency.py's): ``<arm>/off`` inside one server and
+95 % bootstrap interval over rounds (harness.py's): ``<arm>/off`` inside one server and
 ``off/stock`` across servers. The JSON is written after every server (a stopped run keeps its
 rounds) and ``--summarize`` pools several runs' rounds (``--first-round`` numbers a later run's,
 so its order and rotation continue). ``--profile DIR`` samples every process of steerserve's
@@ -33,16 +33,14 @@ import io
 import json
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import harness
 import httpx
-
-sys.path.insert(0, str(Path(__file__).parent))
-from latency import Spy, _ratios, category, cpu_info, ratio_ci, start_server  # noqa: E402
+import pyspy
 
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "completed")
 ARMS = ("off", "on", "entry", "preset", "all", "logprobs")
@@ -117,21 +115,10 @@ def seed(r: int, i: int, arm: str, c: int) -> int:
     return ((r * 10 + i + 1) * 10 + (ARMS + ("stock",)).index(arm)) * 100 + c
 
 
-def profiled(proc, folder: Path, fn):  # noqa: ANN001, ANN201
-    """``fn()`` with py-spy sampling every process of the server ``proc`` into ``folder``."""
-    spies = [Spy(p, folder, i) for i, p in enumerate(proc.tree())]
-    time.sleep(1.0)  # attached before the first request
-    try:
-        return fn()
-    finally:
-        for s in spies:
-            s.stop()
-
-
 def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path) -> dict:
     """Start ``stock`` or steerserve's server, time its arms (rotated by round), stop it:
     ``{arm: {cN: {metric: median of repeats}}}``, with every pass under ``passes``."""
-    proc = start_server("stock" if kind == "stock" else "server", model, a, logs)
+    proc = harness.serve_arm(kind, model, a, logs)
     try:
         if kind == "stock":
             bodies = {"stock": {}}
@@ -153,7 +140,8 @@ def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path
                         bench, proc.url, str(model), a, c, bodies[arm], seed(r, i, arm, c)
                     )
                     if a.profile and i == 0 and c == max(a.concurrency) and kind != "stock":
-                        res = profiled(proc, Path(a.profile) / f"{kind}-r{r}-{arm}-c{c}", call)
+                        folder = Path(a.profile) / f"{kind}-r{r}-{arm}-c{c}"
+                        res = pyspy.profiled(proc.tree(), folder, call)
                     else:
                         res = call()
                     runs[arm].append(res)
@@ -167,17 +155,9 @@ def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path
 
 
 def profile_table(folder: Path) -> dict[str, dict[str, float]]:
-    """Seconds of py-spy samples (100 Hz) by process role and category, per profiled folder."""
-    import re
-
-    out: dict[str, dict[str, float]] = {}
-    for d in sorted(p for p in folder.iterdir() if p.is_dir()):
-        for f in d.glob("*.txt"):
-            per = out.setdefault(f"{d.name} / {f.stem.rsplit('-', 1)[0]}", {})
-            for m in re.finditer(r"^(.*) (\d+)$", f.read_text(errors="replace"), re.M):
-                cat = category(m.group(1))
-                per[cat] = per.get(cat, 0.0) + int(m.group(2)) / 100
-    return out
+    """Seconds of py-spy samples by profiled pass / process role and category."""
+    dirs = sorted(p for p in folder.iterdir() if p.is_dir())
+    return pyspy.seconds(dirs, lambda d, f: f"{d.name} / {pyspy.role_of(d, f)}")
 
 
 def throughputs(rounds: list[dict]) -> dict[str, dict[str, list[float]]]:
@@ -205,10 +185,7 @@ def summarise(tps: dict, arms: list[str], conc: list[int]) -> dict:
             key = f"c{c}"
             if key not in tps.get(num, {}) or key not in tps.get(den, {}):
                 continue
-            lo, hi = ratio_ci(tps, num, den, key)
-            rs = _ratios(tps, num, den, key)
-            out[f"{num}/{den} {key}"] = {"median": statistics.median(rs), "ci95": [lo, hi],
-                                          "per_round": rs}  # fmt: skip
+            out[f"{num}/{den} {key}"] = harness.ratio_summary(tps[num][key], tps[den][key])
     return out
 
 
@@ -271,7 +248,7 @@ def main() -> None:
     model = Path(resolve_model(a.model))
     a.dtype = serve_dtype(a.dtype, False)
     kinds = ["steerserve"] if a.no_stock else ["stock", "steerserve"]
-    summary: dict = {"model": model.name, "device": cpu_info(), "rounds": []}
+    summary: dict = {"model": model.name, "device": harness.cpu_info(), "rounds": []}
     summary["workload"] = vars(a) | {"model": model.name, "out": str(a.out)}
     t0 = time.perf_counter()
     a.out.parent.mkdir(parents=True, exist_ok=True)

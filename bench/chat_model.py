@@ -6,9 +6,9 @@ per process), and arms alternate over ``--cycles`` so load drift hits them alike
 * ``engine:<dtype>:<eager|compile>:<bind>`` — ``SteerEngine``, batch × tokens greedy, unsteered
   and steered rounds alternating (one random vector of norm ``--vector-norm`` at the middle
   layer, every request); tokens/s of each, their ratio, engine init time, worker memory;
-* ``server:<dtype>:<eager|compile>:<bind>`` — the app `steerserve serve` runs (bench/gateway.py's
-  background server), chat completions: p50 latency of a 16-token reply one at a time, tokens/s of
-  ``--batch`` concurrent replies, and the time to ready (warm start);
+* ``server:<dtype>:<eager|compile>:<bind>`` — ``steerserve serve`` (no vectors), chat
+  completions: p50 latency of a 16-token reply one at a time, tokens/s of ``--batch`` concurrent
+  replies, and the time to ready (warm start);
 * ``start`` (``--first-start``) — assemble + convert into an empty cache, then the warm check.
 
 ``bind``: ``auto`` is vLLM's default on CPU (the worker computes on core 0 and leaves core 1 to
@@ -26,23 +26,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-
-from overhead import _prompts, _tps  # noqa: E402
-
-from steerserve.engine.cpu import bind_all_cores  # noqa: E402
+import harness
 
 CHAT = [
     "フランスの首都はどこですか？",
@@ -56,25 +48,6 @@ DEFAULT_ARMS = (
     "engine:auto:eager:auto,engine:float32:eager:auto,engine:auto:compile:auto,"
     "server:auto:eager:auto,server:auto:eager:both"
 )
-
-
-def _bind_env(bind: str) -> dict[str, str]:
-    if bind == "auto":
-        return {}
-    if bind == "both":
-        env: dict[str, str] = {}
-        bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
-        return env
-    raise ValueError(f"bind must be auto or both, not {bind!r}")
-
-
-def _rss_gib() -> float:
-    """Resident memory of this process and its children (the engine core and worker)."""
-    import psutil
-
-    me = psutil.Process()
-    procs = [me, *me.children(recursive=True)]
-    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**30
 
 
 # --- arms (child processes) --------------------------------------------------------------------
@@ -104,34 +77,29 @@ def arm_engine(model: str, dtype: str, compiled: bool, args: argparse.Namespace)
         v = torch.randn(eng.shape.hidden_size, generator=g)
         eng.register_vector("bench/chat", v / v.norm() * args.vector_norm)
         entry = {"vector": "bench/chat", "layer": eng.shape.num_layers // 2, "scale": 1.0}
-        prompts = _prompts(args.batch)
+        prompts = harness.prompts(args.batch)
         steering = [[entry]] * len(prompts)
         sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-        _tps(eng, prompts, None, sp)  # warm-up
-        _tps(eng, prompts, steering, sp)
+        harness.burst_tps(eng, prompts, None, sp)  # warm-up
+        harness.burst_tps(eng, prompts, steering, sp)
         res: dict[str, list[float]] = {"unsteered": [], "steered": []}
         for i in range(args.rounds):
             order = ("unsteered", "steered") if i % 2 == 0 else ("steered", "unsteered")
             for arm in order:
-                res[arm].append(_tps(eng, prompts, steering if arm == "steered" else None, sp))
-        return {"init_s": init, "rss_gib": _rss_gib(), **res}
+                res[arm].append(
+                    harness.burst_tps(eng, prompts, steering if arm == "steered" else None, sp)
+                )
+        return {"init_s": init, "rss_gib": harness.rss_gib(), **res}
     finally:
         eng.shutdown()
 
 
 def arm_server(model: str, dtype: str, compiled: bool, args: argparse.Namespace) -> dict:
     import httpx
-    from gateway import Bench
-
-    b = Bench(Path(model), None, 16, engine={"dtype": dtype, "enforce_eager": not compiled})
-    t0 = time.perf_counter()
-    b.start()
-    ready = time.perf_counter() - t0
-    name = b.state.model_name
 
     def body(i: int, tokens: int) -> dict:
         msg = [{"role": "user", "content": CHAT[i % len(CHAT)]}]
-        return {"model": name, "messages": msg, "max_tokens": tokens, "temperature": 0}
+        return {"model": "bench", "messages": msg, "max_tokens": tokens, "temperature": 0}
 
     async def burst(c: httpx.AsyncClient, n: int) -> float:
         async def one(i: int) -> int:
@@ -145,8 +113,8 @@ def arm_server(model: str, dtype: str, compiled: bool, args: argparse.Namespace)
         toks = await asyncio.gather(*(one(i) for i in range(n)))
         return sum(toks) / (time.perf_counter() - t)
 
-    async def run() -> dict:
-        async with httpx.AsyncClient(base_url=b.url, timeout=600) as c:
+    async def run(url: str) -> dict:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             lat, answers = [], []
             for i in range(args.requests + 1):
                 t = time.perf_counter()
@@ -159,11 +127,16 @@ def arm_server(model: str, dtype: str, compiled: bool, args: argparse.Namespace)
             r = await c.post("/v1/chat/completions", json=body(0, 32))
             return {"latency_16": lat, "burst_tps": tps, "sample": r.json()}
 
-    try:
-        out = asyncio.run(run())
-        return {"ready_s": ready, "rss_gib": _rss_gib(), **out}
-    finally:
-        b.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = harness.engine_flags(dtype, 512, 64, 256 << 20, compiled)
+        flags += ["--steering", "off", "--vectors-dir", tmp, "--log-level", "warning"]
+        srv = harness.serve("steerserve", model, flags, Path(tmp), wait=False, bind=False)
+        try:  # the binding is the arm's: its environment came from the parent
+            ready = srv.wait_ready()
+            out = asyncio.run(run(srv.url))
+            return {"ready_s": ready, "rss_gib": sum(srv.rss_mib().values()) / 1024, **out}
+        finally:
+            srv.stop()
 
 
 def arm_start(model: str, cache: str | None) -> dict:
@@ -201,24 +174,15 @@ def child(spec: str, args: argparse.Namespace) -> None:
 # --- the parent: run arms, tabulate -------------------------------------------------------------
 
 
-def run_child(cmd: list[str], env: dict[str, str], spec: str) -> tuple[dict, str]:
-    """Run an arm's child process; its ``RESULT`` line as a dict, and its stdout + stderr."""
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{spec} failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :]), p.stdout + p.stderr
-
-
 def run_arm(spec: str, args: argparse.Namespace) -> dict:
     bind = "auto" if spec == "start" else spec.split(":")[3]
-    env = os.environ | _bind_env(bind)
+    env = os.environ | harness.bind_env(bind)
     cmd = [sys.executable, __file__, "--child", spec, "--model", args.model]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
     cmd += ["--requests", str(args.requests), "--vector-norm", str(args.vector_norm)]
     cmd += ["--cache", args.cache] if args.cache else []
     t = time.perf_counter()
-    out, log = run_child(cmd, env, spec)
+    out, log = harness.run_child(cmd, env, spec)
     out["wall_s"] = time.perf_counter() - t
     found = re.findall(r"core ids=\[[\d, ]*\]|reserved_cpus=\[[\d, ]*\]", log)
     out["binding"] = ", ".join(dict.fromkeys(found))
@@ -270,31 +234,6 @@ def tables(results: dict[str, list[dict]]) -> str:
     return "\n".join(md) + "\n"
 
 
-SECTION = "## Chat model"
-
-
-def write_docs(label: str, meta: str, md: str) -> None:
-    """Put this run under ``## Chat model`` / ``### <label>`` in docs/benchmarks.md; the section's
-    text, its other runs and the other sections are kept."""
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION not in text:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\nOne subsection per run.\n"
-    start = text.index(SECTION)
-    end = text.find("\n## ", start + 1)
-    end = len(text) if end < 0 else end + 1
-    parts = re.split(r"(?m)^(?=### )", text[start:end])  # [intro, "### a ...", ...]
-    new = f"### {label}\n\n{meta}\n\n{md.strip()}\n"
-    found = [i for i, part in enumerate(parts) if part.startswith(f"### {label}\n")]
-    if found:
-        parts[found[0]] = new
-    else:
-        parts.append(new)
-    section = "\n".join(part.strip("\n") + "\n" for part in parts)
-    rest = text[end:]
-    path.write_text(text[:start] + section + ("\n" + rest if rest else ""))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="model name or folder (default: chat)")
@@ -315,7 +254,7 @@ def main() -> None:
         child(args.child, args)
         return
 
-    load0 = os.getloadavg()
+    machine = harness.machine()
     arms = [a for a in args.arms.split(",") if a]
     results: dict[str, list[dict]] = {}
     if args.first_start:
@@ -332,8 +271,7 @@ def main() -> None:
         f"`bench/chat_model.py --arms {args.arms} --cycles {args.cycles} --batch {args.batch} "
         f"--tokens {args.tokens} --rounds {args.rounds} --requests {args.requests}"
         f"{' --first-start' if args.first_start else ''}`: model `{args.model}`, "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, load average "
-        f"(1/5 min) {load0[0]:.1f}/{load0[1]:.1f} at start, {load1[0]:.1f}/{load1[1]:.1f} at end. "
+        f"{machine} at start, {load1[0]:.1f}/{load1[1]:.1f} at end. "
         "Engine rows: batch × tokens greedy (ignore_eos), prefix caching off, vLLM's "
         "multi-process mode; steered = every request, one random vector of norm "
         f"{args.vector_norm:g} at the middle layer. Server rows: chat completions through HTTP."
@@ -341,7 +279,7 @@ def main() -> None:
     md = tables(results)
     print("\n" + meta + "\n\n" + md)
     if args.write_docs:
-        write_docs(args.label, meta, md)
+        harness.write_docs("Chat model", f"{meta}\n\n{md}", args.label, "One subsection per run.")
 
 
 if __name__ == "__main__":

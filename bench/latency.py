@@ -14,7 +14,9 @@ Per round and arm, in the order A B C D, rotated every round so no arm always fo
 ``--requests`` sequential streamed 16-token completions (TTFT, mean inter-token latency, total),
 as many collected ones (total), then a burst of ``--burst`` concurrent ``--burst-tokens``-token
 completions (tokens/s). Greedy, ``ignore_eos``. Ratios: medians of per-round ratios (robust to
-background load that drifts between rounds) and ratios of the pooled medians.
+background load that drifts between rounds) with a bootstrap interval over rounds. ``server /
+engine`` is what the HTTP gateway costs over its ``AsyncLLM``; ``steered / engine`` what steering
+every request costs the engine.
 
     .venv/bin/python bench/latency.py                       # tiny 28-block Llama (seconds)
     .venv/bin/python bench/latency.py --model gemma-3-270m --rounds 6
@@ -27,122 +29,18 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
+import pyspy
 
 from steerserve.engine.cpu import bind_all_cores
 
 ARMS = ("stock", "server", "engine", "steered")
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Peru is"
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
-
-
-def cpu_info() -> str:
-    """The CPU model and the flags that decide vLLM's CPU kernels."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if "model name" in ln), "")
-    from steerserve.engine.cpu import cpu_flags
-
-    flags = cpu_flags(text)
-    return f"{name or platform.processor()}; flags: {' '.join(f for f in FLAGS if f in flags)}"
-
-
-def model_dir(name: str) -> Path:
-    """``tiny``: a random 28-block Llama (hidden 256, byte vocabulary) built once: per-step costs
-    of a deep model at toy compute. Else an embedded model name or a checkpoint folder."""
-    if name == "tiny":
-        from steerserve.models import cache_dir
-        from steerserve.models.tiny import build_tiny_model
-
-        return build_tiny_model(
-            cache_dir() / "bench" / "tiny-llama-28x256", num_layers=28, hidden=256
-        )
-    from steerserve.models import resolve_model
-
-    return Path(resolve_model(name))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server subprocess in its own session (its engine processes go with it on stop)."""
-
-    def __init__(self, arm: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self.arm, self.port, self.log = arm, int(cmd[cmd.index("--port") + 1]), log
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def tree(self) -> list:
-        import psutil
-
-        top = psutil.Process(self.proc.pid)
-        return [top, *top.children(recursive=True)]
-
-    def wait_ready(self, path: str, timeout: float = 900) -> None:
-        import httpx
-
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.arm} exited {self.proc.returncode}; see {self.log}")
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.arm} not ready; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-
-
-def start_server(arm: str, model: Path, a: argparse.Namespace, logs: Path) -> Proc:
-    """``stock`` or ``server`` with the same engine settings; every core bound in both. Eager
-    unless ``a.compile``; steerserve without vectors unless ``a.vectors`` (its shipped ones)."""
-    port = str(_free_port())
-    env = dict(os.environ)
-    bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
-    common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", port]
-    common += ["--max-num-seqs", str(a.max_num_seqs), "--served-model-name", "bench"]
-    common += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes)]
-    compiled = getattr(a, "compile", False)
-    if arm == "stock":
-        env["VLLM_PLUGINS"] = "none"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-        cmd += common + ([] if compiled else ["--enforce-eager"]) + ["--seed", "0"]
-    else:
-        cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model)]
-        cmd += common + ["--compile" if compiled else "--enforce-eager"]
-        cmd += ["--steering", "off", "--log-level", "warning"]
-        if not getattr(a, "vectors", False):
-            empty = logs / "no-vectors"
-            empty.mkdir(exist_ok=True)
-            cmd += ["--vectors-dir", str(empty)]
-    p = Proc(arm, cmd, env, logs / f"{arm}-{port}.log")
-    p.wait_ready("/health" if arm == "stock" else "/ready")
-    return p
 
 
 # --- one request, by path ------------------------------------------------------------------------
@@ -253,7 +151,7 @@ async def measure_arm(arm: str, target, a: argparse.Namespace, rnd: int) -> dict
         spies = (
             []
             if not a.profile
-            else [Spy(p, Path(a.profile) / f"{arm}-{rnd}", i) for i, p in enumerate(procs)]
+            else [pyspy.Spy(p, Path(a.profile) / f"{arm}-{rnd}", i) for i, p in enumerate(procs)]
         )
         if spies:
             time.sleep(1.0)  # attached before the first request
@@ -272,84 +170,6 @@ async def measure_arm(arm: str, target, a: argparse.Namespace, rnd: int) -> dict
     finally:
         if not isinstance(target, Direct):
             await client.aclose()
-
-
-class Spy:
-    """py-spy sampling one process (raw collapsed stacks, file named by its role) until stopped."""
-
-    def __init__(self, proc, folder: Path, i: int) -> None:  # noqa: ANN001
-        role = "api" if i == 0 else "".join(c for c in proc.name() if not c.isdigit())
-        spy = Path(sys.executable).with_name("py-spy")
-        cmd = [str(spy), "record", "-p", str(proc.pid), "-f", "raw", "--nolineno", "-r", "100"]
-        folder.mkdir(parents=True, exist_ok=True)
-        out = folder / f"{role.replace(':', '_')}-{proc.pid}.txt"
-        self.proc = subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(60)
-
-
-#: (category, substrings of a collapsed stack; the first rule that matches counts the sample)
-RULES = [
-    (
-        "waiting (spin, poll, sleep)",
-        (
-            "sched_yield",
-            "Condition.wait",
-            "select",
-            "Poller.poll",
-            "_recv",
-            "Event.wait",
-            ";sleep",
-            "Queue.get",
-        ),
-    ),
-    ("steering hook + op", ("(steerserve/engine/buffers.py);hook", "steerserve/engine/kernels.py")),
-    ("steering seam: index fill", ("prepare_step (steerserve",)),
-    ("steering seam: slots", ("sync (steerserve",)),
-    ("model forward", ("_model_forward (",)),
-    ("sampling: logprobs", ("compute_logprobs (", "gather_logprobs (")),
-    ("front end: logprobs", ("v1/engine/logprobs.py", "_checked (")),
-    ("sampling", ("_sample (", "sample_tokens (")),
-    ("runner: update states", ("_update_states (",)),
-    ("runner: other", ("execute_model (",)),
-    ("engine core: scheduler", ("schedule (vllm",)),
-    ("tokenize", ("encode (", "tokeniz", "apply_chat_template")),
-    ("detokenize", ("detokeniz", "decode (")),
-    ("steerserve server", ("steerserve/server",)),
-    ("http (uvicorn, starlette, fastapi)", ("uvicorn", "starlette", "fastapi", "h11", "httptools")),
-    ("vLLM OpenAI front end", ("vllm/entrypoints",)),
-    ("output processor", ("output_processor",)),
-    ("engine core client", ("core_client",)),
-]
-
-
-def category(stack: str) -> str:
-    """The first rule matching: the leaf (last two frames) for waiting, else the whole stack."""
-    leaf = ";" + ";".join(stack.split(";")[-2:])
-    for cat, pats in RULES:
-        where = leaf if cat.startswith("waiting") else stack
-        if any(p in where for p in pats):
-            return cat
-    return "event loop (native)" if stack.endswith("Runner.run") else "other"
-
-
-def breakdown(rounds: list[Path], requests: int) -> dict[str, dict[str, float]]:
-    """ms of sampled stacks per single request, by process role and category (mean over the
-    round folders ``rounds``; py-spy drops most idle threads, not spinning or polling ones)."""
-    import re
-
-    out: dict[str, dict[str, float]] = {}
-    for folder in rounds:
-        for f in folder.glob("*.txt"):
-            role = f.stem.rsplit("-", 1)[0]
-            for m in re.finditer(r"^(.*) (\d+)$", f.read_text(errors="replace"), re.M):
-                per = out.setdefault(role, {})
-                cat = category(m.group(1))
-                ms = int(m.group(2)) / 100 * 1e3 / (2 * requests * len(rounds))
-                per[cat] = per.get(cat, 0.0) + ms
-    return out
 
 
 def cpu_by_role(procs: list) -> dict[str, float]:
@@ -393,23 +213,6 @@ def summary(rounds: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def ratio(s: dict, num: str, den: str, key: str) -> float:
-    return statistics.median(_ratios(s, num, den, key))
-
-
-def _ratios(s: dict, num: str, den: str, key: str) -> list[float]:
-    return [x / y for x, y in zip(s[num][key], s[den][key], strict=True)]
-
-
-def ratio_ci(s: dict, num: str, den: str, key: str, n: int = 4000) -> tuple[float, float]:
-    """95 % bootstrap interval of the median per-round ratio, rounds resampled (seeded): how far
-    round-to-round noise lets the ratio move, to read against the target's margin."""
-    rs = _ratios(s, num, den, key)
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
-
-
 def report(s: dict, meta: str) -> str:
     md = [meta, ""]
     md.append("| arm | p50 s | p90 s | streamed p50 s | TTFT ms | ITL ms | burst tok/s |")
@@ -434,25 +237,25 @@ def report(s: dict, meta: str) -> str:
         if num in s and den in s:
             cells = []
             for key in ("_p50", "_burst"):
-                lo, hi = ratio_ci(s, num, den, key)
-                cells.append(f"**{ratio(s, num, den, key):.3f}** [{lo:.3f}, {hi:.3f}]")
+                r = harness.ratio_summary(s[num][key], s[den][key])
+                cells.append(f"**{r['median']:.3f}** [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
             md.append(f"| {num} / {den} | {cells[0]} | {cells[1]} | {target} |")
     return "\n".join(md) + "\n"
 
 
 async def run(a: argparse.Namespace) -> None:
-    model = model_dir(a.model)
+    model = harness.model_dir(a.model)
     arms = [x for x in a.arms.split(",") if x]
     logs = Path(a.logs or tempfile.mkdtemp(prefix="steerserve-latency-"))
     logs.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()
+    machine = harness.machine()  # at the start
     targets: dict[str, object] = {}
     direct = None
     try:
         if not a.sequential:  # all up at once; only one works at a time
             for arm in arms:
                 if arm in ("stock", "server"):
-                    targets[arm] = start_server(arm, model, a, logs)
+                    targets[arm] = harness.serve_arm(arm, model, a, logs)
         if {"engine", "steered"} & set(arms):
             direct = Direct(model, a)
             await direct.start()
@@ -464,7 +267,7 @@ async def run(a: argparse.Namespace) -> None:
                 if arm in ("engine", "steered"):
                     target = direct
                 elif a.sequential:
-                    target = start_server(arm, model, a, logs)
+                    target = harness.serve_arm(arm, model, a, logs)
                 else:
                     target = targets[arm]
                 try:
@@ -486,10 +289,9 @@ async def run(a: argparse.Namespace) -> None:
     meta = (
         f"`bench/latency.py --model {a.model} --dtype {a.dtype} --rounds {a.rounds} "
         f"--requests {a.requests} --tokens {a.tokens} --burst {a.burst} --burst-tokens "
-        f"{a.burst_tokens}{' --sequential' if a.sequential else ''}`; {time.strftime('%Y-%m-%d')}; "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu_info()}; eager, KV cache "
-        f"{a.kv_cache_bytes >> 20} MiB, every core bound; load average (1/5 min) "
-        f"{load0[0]:.1f}/{load0[1]:.1f} at start, {load1[0]:.1f}/{load1[1]:.1f} at end; logs {logs}"
+        f"{a.burst_tokens}{' --sequential' if a.sequential else ''}`; {machine} at "
+        f"start, {load1[0]:.1f}/{load1[1]:.1f} at end; eager, KV cache {a.kv_cache_bytes >> 20} "
+        f"MiB, every core bound; logs {logs}"
     )
     s = summary(rounds)
     print("\n" + report(s, meta))
@@ -498,8 +300,9 @@ async def run(a: argparse.Namespace) -> None:
         for arm in arms:
             folders = sorted(Path(a.profile).glob(f"{arm}-*"))
             folders = [f for f in folders if not f.name.endswith("-0")]
-            for role, cats in breakdown(folders, a.requests).items():
-                top = sorted(cats.items(), key=lambda kv: -kv[1])
+            per = 1e3 / (2 * a.requests * max(1, len(folders)))  # ms per single request
+            for role, cats in pyspy.seconds(folders, pyspy.role_of).items():
+                top = sorted(((k, v * per) for k, v in cats.items()), key=lambda kv: -kv[1])
                 print(f"- {arm} / {role}: " + ", ".join(f"{k} {v:.1f}" for k, v in top))
     if a.json:
         Path(a.json).write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1))

@@ -18,12 +18,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -31,13 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import _free_port, _tiny  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 EN = "What is the capital city of France? Please answer briefly."
 FR = "Quelle est la capitale de la France ? Réponds brièvement, s'il te plaît."
@@ -161,10 +154,14 @@ class Tally:
     health_failures: int = 0
     errors: Counter = field(default_factory=Counter)
     drops: Counter = field(default_factory=Counter)  # hang-ups by path
-    rss_trace: list[tuple[int, dict[str, int]]] = field(default_factory=list)
+    rss_trace: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    rss_at_mark: dict[str, float] = field(default_factory=dict)
+    mark: int = 0  # requests done when rss_at_mark was taken
 
 
-async def load(url: str, items: list[Item], solo: dict[str, Any], args: Any, srv: Serve) -> Tally:
+async def load(
+    url: str, items: list[Item], solo: dict[str, Any], args: Any, srv: harness.Server
+) -> Tally:
     """``args.clients`` clients until ``args.duration`` seconds have passed; RSS once
     ``args.memory_at`` requests are done."""
     tally = Tally()
@@ -188,7 +185,7 @@ async def load(url: str, items: list[Item], solo: dict[str, Any], args: Any, srv
                 continue
             tally.done += 1
             if tally.done % args.rss_every == 0:
-                tally.rss_trace.append((tally.done, srv.rss()))
+                tally.rss_trace.append((tally.done, srv.rss_mib()))
             if status == 0:
                 tally.hangups += 1
                 tally.drops[item.path] += 1
@@ -197,7 +194,7 @@ async def load(url: str, items: list[Item], solo: dict[str, Any], args: Any, srv
                 if status == 200 and got is not None and got != solo[item.name]:
                     tally.mismatches.append(item.name)
             if tally.done == args.memory_at:
-                srv.rss_at_mark, srv.mark = srv.rss(), tally.done
+                tally.rss_at_mark, tally.mark = srv.rss_mib(), tally.done
 
     async def health(c: httpx.AsyncClient) -> None:
         while time.monotonic() < deadline and tally.done < args.max_requests:
@@ -235,73 +232,14 @@ async def solo_answers(url: str, items: list[Item]) -> dict[str, Any]:
     return out
 
 
-class Serve:
-    """``steerserve serve`` on loopback in its own process group; RSS of its processes."""
-
-    def __init__(self, model: Path, vectors: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = os.environ | {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-            "STEERSERVE_MODEL": str(model),
-            "STEERSERVE_VECTORS_DIR": str(vectors),
-            "STEERSERVE_HOST": "127.0.0.1",
-            "STEERSERVE_PORT": str(self.port),
-            "STEERSERVE_DTYPE": "float32",
-            "STEERSERVE_MAX_MODEL_LEN": "512",
-            "STEERSERVE_KV_CACHE_MEMORY_BYTES": str(128 << 20),
-            "STEERSERVE_SERVED_MODEL_NAME": MODEL,
-            "STEERSERVE_LOG_LEVEL": "warning",
-        }
-        self.log = log
-        with log.open("w") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "steerserve", "serve"],
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.family: dict[str, psutil.Process] = {}
-        self.rss_at_mark: dict[str, int] = {}
-        self.mark = 0  # requests done when rss_at_mark was taken
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + self.log.read_text()[-3000:])
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise TimeoutError("server not ready")
-        root = psutil.Process(self.proc.pid)
-        self.family = {"server": root}
-        for p in root.children(recursive=True):
-            cmd = " ".join(p.cmdline())
-            names = (
-                ("EngineCore", "EngineCore"),
-                ("Worker", "worker"),
-                ("resource_tracker", "tracker"),
-            )
-            role = next((r for key, r in names if key in cmd or key in p.name()), p.name())
-            self.family[role if role not in self.family else f"{role} {p.pid}"] = p
-        print("processes:", {k: p.pid for k, p in self.family.items()}, flush=True)
-
-    def rss(self) -> dict[str, int]:
-        return {k: p.memory_info().rss for k, p in self.family.items() if p.is_running()}
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait(30)
+def serve(model: Path, vectors: Path, logs: Path) -> harness.Server:
+    """``steerserve serve`` on loopback, float32 (so batching does not change numerics)."""
+    flags = ["--vectors-dir", str(vectors), "--host", "127.0.0.1", "--dtype", "float32",
+             "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20),
+             "--served-model-name", MODEL, "--log-level", "warning"]  # fmt: skip
+    srv = harness.serve("steerserve", model, flags, logs, wait=False)
+    srv.wait_ready(600)
+    return srv
 
 
 def settle(url: str, timeout: float = 60) -> float:
@@ -332,10 +270,8 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def report(args: Any, t: Tally, rss0: dict, rss1: dict, meta: dict[str, Any]) -> str:
-    mib = 1 << 20
     rows = "\n".join(
-        f"| {k} | {rss0[k] / mib:.0f} | {rss1.get(k, 0) / mib:.0f} "
-        f"| {(rss1.get(k, 0) - rss0[k]) / mib:+.0f} |"
+        f"| {k} | {rss0[k]:.0f} | {rss1.get(k, 0):.0f} | {rss1.get(k, 0) - rss0[k]:+.0f} |"
         for k in rss0
     )
     fives = sum(n for s, n in t.statuses.items() if s >= 500)
@@ -350,7 +286,7 @@ def report(args: Any, t: Tally, rss0: dict, rss1: dict, meta: dict[str, Any]) ->
     )
     names = list(rss0)
     trace = "".join(
-        f"| {done} | " + " | ".join(f"{rss.get(k, 0) / mib:.0f}" for k in names) + " |\n"
+        f"| {done} | " + " | ".join(f"{rss.get(k, 0):.0f}" for k in names) + " |\n"
         for done, rss in t.rss_trace
     )
     trace = (
@@ -399,27 +335,27 @@ def main() -> None:
     ap.add_argument("--write-docs", action="store_true", help="record in docs/benchmarks.md")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model, vectors = _tiny(Path(tmp))
-        srv = Serve(model, vectors, Path(tmp) / "serve.log")
+        model, vectors = harness.tiny_with_vectors(Path(tmp))
+        srv = serve(model, vectors, Path(tmp))
         try:
-            srv.wait_ready()
             items = catalogue()
             solo = asyncio.run(solo_answers(srv.url, items))
             before = metrics(srv.url)
-            rss0, core = srv.rss(), srv.family["EngineCore"].pid
+            rss0 = srv.rss_mib()
+            core = next(p.pid for p in srv.tree() if harness.role(p, srv.proc.pid) == "EngineCore")
             load0, t0 = os.getloadavg()[0], time.monotonic()
             tally = asyncio.run(load(srv.url, items, solo, args, srv))
             wall, load1 = time.monotonic() - t0, os.getloadavg()[0]
             left = settle(srv.url)
             after = metrics(srv.url)
             alive = srv.proc.poll() is None and psutil.pid_exists(core)
-            if not srv.rss_at_mark:  # fewer requests than --memory-at: RSS at the end
-                srv.rss_at_mark, srv.mark = srv.rss(), tally.done
-            rss1 = srv.rss_at_mark
+            if not tally.rss_at_mark:  # fewer requests than --memory-at: RSS at the end
+                tally.rss_at_mark, tally.mark = srv.rss_mib(), tally.done
+            rss1 = tally.rss_at_mark
         finally:
-            code = srv.stop()
+            code = srv.stop(120)
     meta = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": f"{os.cpu_count()} CPUs, {harness.cpu_info()}",
         "date": time.strftime("%Y-%m-%d"),
         "load0": load0,
         "load1": load1,
@@ -430,7 +366,7 @@ def main() -> None:
         },
         "deaths": 0 if alive else 1,
         "exit": code,
-        "mark": srv.mark,
+        "mark": tally.mark,
         "left_in_flight": left,
     }
     md = report(args, tally, rss0, rss1, meta)
@@ -440,7 +376,7 @@ def main() -> None:
         "hang-ups by path:", dict(tally.drops), "499 by endpoint:", meta["counted_499_by_endpoint"]
     )
     for done, rss in tally.rss_trace:
-        print(f"RSS after {done}:", {k: round(v / (1 << 20)) for k, v in rss.items()})
+        print(f"RSS after {done}:", {k: round(v) for k, v in rss.items()})
     if args.json:
         raw = {**meta, "statuses": dict(tally.statuses), "hangups": tally.hangups}
         raw |= {"mismatches": tally.mismatches, "rss_before": rss0, "rss_after": rss1}
@@ -448,21 +384,7 @@ def main() -> None:
         raw |= {"rss_trace": tally.rss_trace}
         args.json.write_text(json.dumps(raw, indent=1))
     if args.write_docs:
-        write_docs(md)
-
-
-def write_docs(md: str) -> None:
-    """Replace the ``## Load`` section of docs/benchmarks.md (kept: everything else)."""
-    path = ROOT / "docs" / "benchmarks.md"
-    text = path.read_text()
-    section = f"## Load\n\n{LOAD_INTRO}\n\n{md.strip()}\n"
-    start = text.find("## Load\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end:] if end >= 0 else "")
-    path.write_text(text)
+        harness.write_docs("Load", md, intro=LOAD_INTRO)
 
 
 LOAD_INTRO = (

@@ -22,18 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from latency import Proc, _free_port, cpu_info, model_dir, ratio_ci  # noqa: E402
+import harness
 
 WORDS = (
     "river stone market winter lantern copper meadow harbor orchard signal candle valley "
@@ -103,24 +97,15 @@ def run(a: argparse.Namespace) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
-    model = model_dir(a.model)
+    model = harness.model_dir(a.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     logs = Path(tempfile.mkdtemp(prefix="prefix-share-"))
-    cmd = [sys.executable, "-m", "steerserve", "serve", "--model", str(model)]
-    cmd += [
-        "--dtype",
-        a.dtype,
-        "--max-model-len",
-        str(a.max_model_len),
-        "--port",
-        str(_free_port()),
-    ]
-    cmd += ["--kv-cache-memory-bytes", str(a.kv_cache_bytes), "--served-model-name", "bench"]
-    cmd += ["--steering", "off", "--log-level", "warning"]
-    srv = Proc("server", cmd, dict(os.environ), logs / "server.log")
+    flags = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--kv-cache-memory-bytes",
+             str(a.kv_cache_bytes), "--served-model-name", "bench", "--steering", "off",
+             "--log-level", "warning"]  # fmt: skip
+    srv = harness.serve("steerserve", model, flags, logs)  # its shipped vectors
     rounds: list[dict] = []
     try:
-        srv.wait_ready("/ready")
         with httpx.Client(base_url=srv.url, timeout=1800) as c:
             chat(c, prompt_text(tokenizer, 64, -1), True, 2, False)  # warm-up
             for rnd in range(a.rounds):
@@ -136,7 +121,7 @@ def run(a: argparse.Namespace) -> dict:
     finally:
         srv.stop()
     args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
-    return {"cpu": cpu_info(), "args": args | {"model": str(model)}, "rounds": rounds}
+    return {"cpu": harness.cpu_info(), "args": args | {"model": str(model)}, "rounds": rounds}
 
 
 def summary(res: dict, lengths: list[int]) -> str:
@@ -149,10 +134,8 @@ def summary(res: dict, lengths: list[int]) -> str:
     ]
 
     def row(name: str, num: list[float], den: list[float]) -> None:
-        s = {"num": {"k": num}, "den": {"k": den}}
-        med = statistics.median(x / y for x, y in zip(num, den, strict=True))
-        lo, hi = ratio_ci(s, "num", "den", "k")
-        lines.append(f"| {name} | {med:.3f} | [{lo:.3f}, {hi:.3f}] |")
+        r = harness.ratio_summary(num, den)
+        lines.append(f"| {name} | {r['median']:.3f} | [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] |")
 
     for n in lengths:
         us = [r[f"us_{n}"]["ttft_s"] for r in rs]

@@ -16,7 +16,7 @@ Time is from ``Popen`` to ready; memory is each process's RSS once ready, by rol
 (the server process), ``EngineCore``, ``worker`` (every other process of the tree: the worker
 EngineCore starts, the resource tracker), and their total; the front end's also split into heap
 and mapped files (:func:`front_end_split`). Ratios steerserve/stock per round, their median and
-seeded 95 % bootstrap interval (latency.py's).
+seeded 95 % bootstrap interval (harness.py's).
 
     python bench/startup.py --model default --rounds 3 --out out/startup.json
     python bench/startup.py --dry-run      # the tiny model, 1 round: does it run
@@ -26,42 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import Proc, _free_port, cpu_info, model_dir, ratio, ratio_ci  # noqa: E402
-
-from steerserve.engine.cpu import bind_all_cores  # noqa: E402
+import harness
 
 ARMS = ("stock", "steerserve")
 ROLES = ("front end", "EngineCore", "worker")
 SPLIT = {"front end anon": "anon", "front end file": "file"}  # the front end's RSS, by kind
-
-
-def _role(p, top_pid: int) -> str:  # noqa: ANN001 (psutil.Process)
-    """A process's role in the server's tree, read from its title (vLLM sets them)."""
-    if p.pid == top_pid:
-        return "front end"
-    try:
-        title = " ".join([p.name(), *p.cmdline()])
-    except Exception:  # noqa: BLE001 (gone meanwhile)
-        return "worker"
-    return "EngineCore" if "EngineCore" in title else "worker"
-
-
-def rss_by_role(proc: Proc) -> dict[str, float]:
-    """MiB resident per role, summed over the processes of that role."""
-    out = dict.fromkeys(ROLES, 0.0)
-    for p in proc.tree():
-        try:
-            out[_role(p, proc.proc.pid)] += p.memory_info().rss / 2**20
-        except Exception:  # noqa: BLE001,S112 (a process that ended meanwhile holds nothing)
-            continue
-    return out
 
 
 def front_end_split(pid: int, top: int = 12) -> dict:
@@ -86,30 +59,14 @@ def front_end_split(pid: int, top: int = 12) -> dict:
     }
 
 
-def command(arm: str, model: str, ckpt: Path, dtype: str, a: argparse.Namespace) -> list[str]:
-    """The arm's command line: the same engine flags for both."""
-    flags = ["--dtype", dtype, "--max-model-len", str(a.max_model_len)]
-    flags += ["--max-num-seqs", str(a.max_num_seqs), "--kv-cache-memory-bytes", str(a.kv_bytes)]
-    flags += ["--enforce-eager", "--served-model-name", "bench", "--port", str(_free_port())]
-    if arm == "stock":
-        stock = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt)]
-        return [*stock, *flags, "--seed", "0"]
-    return [sys.executable, "-m", "steerserve", "serve", model, *flags]
-
-
 def one_start(arm: str, model: str, ckpt: Path, dtype: str, a, logs: Path) -> dict:  # noqa: ANN001
-    env = dict(os.environ)
-    bind_all_cores(env, False, 1)  # every core, as `steerserve serve` binds a CPU worker
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default, as served (tests turn it off)
-    if arm == "stock":
-        env["VLLM_PLUGINS"] = "none"
-    t0 = time.perf_counter()
-    p = Proc(arm, command(arm, model, ckpt, dtype, a), env, logs / f"{arm}-{time.time_ns()}.log")
+    """One start of ``arm`` to ready, its memory by role once ready; then stopped."""
+    flags = harness.engine_flags(dtype, a.max_model_len, a.max_num_seqs, a.kv_bytes)
+    p = harness.serve(arm, ckpt if arm == "stock" else model, flags, logs, wait=False)
     try:
-        p.wait_ready("/health" if arm == "stock" else "/ready")
-        ready = time.perf_counter() - t0
+        ready = p.wait_ready()
         time.sleep(1)  # let the last allocations of the start settle
-        rss = rss_by_role(p)
+        rss = p.rss_mib()
         split = front_end_split(p.proc.pid)
         return {"ready_s": ready, "rss_mib": rss | {"total": sum(rss.values())}, "front_end": split}
     finally:
@@ -120,8 +77,7 @@ def _ratio(series: dict, key: str) -> dict | None:
     """steerserve/stock per round: median and interval (None where stock has no such process)."""
     if not all(series["stock"][key]):
         return None
-    lo, hi = ratio_ci(series, "steerserve", "stock", key)
-    return {"median": ratio(series, "steerserve", "stock", key), "ci95": [lo, hi]}
+    return harness.ratio_summary(series["steerserve"][key], series["stock"][key])
 
 
 def main() -> None:
@@ -142,7 +98,7 @@ def main() -> None:
     if a.dry_run:  # the tiny model unless told: a context of 1,024
         a.rounds, a.warmup, a.kv_bytes, a.max_model_len = 1, False, 64 << 20, 1024
     a.model = a.model or ("tiny" if a.dry_run else "default")
-    ckpt = model_dir(a.model)  # converts an embedded model once: the warm starts follow
+    ckpt = harness.model_dir(a.model)  # converts an embedded model once: the warm starts follow
     model = str(ckpt) if a.model == "tiny" else a.model  # steerserve serves names as given
     if a.dtype == "auto":
         from steerserve.engine.cpu import serve_dtype
@@ -171,7 +127,7 @@ def main() -> None:
     summary = {
         "model": ckpt.name,
         "dtype": a.dtype,
-        "device": cpu_info(),
+        "device": harness.cpu_info(),
         "rounds": a.rounds,
         "runs": runs,
         "ratios": ratios,

@@ -34,14 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
+import harness
 
-from chat_model import _bind_env, _rss_gib, run_child, write_docs  # noqa: E402
-from overhead import _prompts  # noqa: E402
-
-from steerserve.engine.cpu import W4A8_ENV  # noqa: E402
+from steerserve.engine.cpu import W4A8_ENV
 
 DEFAULT_ARMS = "full:float32,full:bfloat16,w4:bfloat16"
 SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -127,8 +122,8 @@ def arm(spec: str, args: argparse.Namespace) -> dict:
     try:
         one = SamplingParams(max_tokens=1, temperature=0.0)
         many = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-        prompt = _prompts(1)
-        batch = _prompts(args.batch)
+        prompt = harness.prompts(1)
+        batch = harness.prompts(args.batch)
         eng.generate(prompt, many)  # warm-up
         eng.generate(batch, many)
         ms, tps = [], []
@@ -140,7 +135,7 @@ def arm(spec: str, args: argparse.Namespace) -> dict:
             tps.append(args.batch * args.tokens / t)
         return {
             "init_s": init,
-            "rss_gib": _rss_gib(),
+            "rss_gib": harness.rss_gib(),
             "ms_per_token": ms,
             "burst_tps": tps,
             "step_bytes": step_bytes(folder, dtype),
@@ -160,8 +155,8 @@ def kernel(weights: str, dtype: str) -> str:
 def run_arm(spec: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", spec, "--model", args.model]
     cmd += ["--batch", str(args.batch), "--tokens", str(args.tokens), "--rounds", str(args.rounds)]
-    env = os.environ | _bind_env("both") | WEIGHTS[spec.split(":")[0]]
-    out, _ = run_child(cmd, env, spec)
+    env = os.environ | harness.bind_env("both") | WEIGHTS[spec.split(":")[0]]
+    out, _ = harness.run_child(cmd, env, spec)
     print(f"done: {spec}", flush=True)
     return out
 
@@ -217,7 +212,7 @@ def main() -> None:
             results.setdefault(a, []).append(run_arm(a, args))
             gbs.append(bandwidth_gbs())  # between arms: the floor follows the machine's load
     load1 = os.getloadavg()
-    flags = _cpu_kind()
+    flags = cpu_kind()
     md = table(results, statistics.median(gbs))
     meta = (
         f"`bench/w4.py --arms {args.arms} --cycles {args.cycles} --batch {args.batch} --tokens "
@@ -229,10 +224,10 @@ def main() -> None:
     )
     print(meta + "\n\n" + md)
     if args.write_docs:
-        write_docs(args.label, meta, md)
+        harness.write_docs("Chat model", f"{meta}\n\n{md}", args.label, "One subsection per run.")
 
 
-def _cpu_kind() -> str:
+def cpu_kind() -> str:
     from steerserve.engine.cpu import BF16_FLAGS, cpu_flags
 
     f = cpu_flags()

@@ -5,19 +5,24 @@ given with ``--structured-outputs-config``), one server: 20 chat requests with a
 unsteered and steered (``steering: true``), ``max_tokens`` 60; counts the answers that parse as
 JSON and those cut at ``max_tokens``. Every reply goes to ``--out``/replies.jsonl.
 
-    .venv/bin/python bench/json_whitespace.py --model default --out docs/results/json-whitespace
+    .venv/bin/python docs/results/openai-surface/json_whitespace.py --model default \
+        --out docs/results/json-whitespace
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import httpx
 from openai_surface import COUNTRIES, Capital
-from probe import free_port, start
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import harness  # noqa: E402
 
 CONFIGS = {
     "compact (default)": [],
@@ -29,11 +34,10 @@ CONFIGS = {
 
 
 def run(model: str, args: list[str], log: Path) -> list[dict]:
-    port = free_port()
-    proc = start(model, port, log, args)
+    srv = harness.serve("steerserve", model, args, log.parent)
     rows = []
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+        with httpx.Client(base_url=srv.url, timeout=300) as c:
             name = c.get("/v1/models").json()["data"][0]["id"]
             fmt = {
                 "type": "json_schema",
@@ -68,8 +72,7 @@ def run(model: str, args: list[str], log: Path) -> list[dict]:
                         }
                     )
     finally:
-        proc.terminate()
-        proc.wait(120)
+        srv.stop(120)
     return rows
 
 

@@ -4,7 +4,7 @@ output for 20 prompts; lm-eval ``local-completions`` multiple choice with the ba
 with the ``<model>:steering-on`` preset (lm-eval cannot add a body field; the preset is chosen by
 ``model`` alone). Every reply is written to ``--out`` (JSON lines) with a summary.
 
-    .venv/bin/python bench/openai_surface.py --model default --out docs/results/openai-surface
+    .venv/bin/python docs/results/openai-surface/openai_surface.py --model default --out docs/results/openai-surface
 """
 
 from __future__ import annotations

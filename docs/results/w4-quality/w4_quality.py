@@ -6,7 +6,8 @@ item: per-language and language-mean accuracy of each, and the paired bootstrap 
 (4-bit − full) with its 95 % interval (steerserve.tune.scoring, resampling items within
 languages). The plan is declared in ``docs/results/w4-quality/plan.md`` before the run.
 
-    .venv/bin/python bench/w4_quality.py --out docs/results/w4-quality --limit-per-lang 40
+    .venv/bin/python docs/results/w4-quality/w4_quality.py --out docs/results/w4-quality \
+        --limit-per-lang 40
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))  # w4.py: the kernel and CPU facts of the speed run
 
-from w4 import _cpu_kind, kernel  # noqa: E402
+from w4 import cpu_kind, kernel  # noqa: E402
 
 W4_DTYPE = "bfloat16"  # what the 4-bit arm computes in (its kernel depends on it)
 
@@ -75,7 +76,7 @@ def main() -> None:
     result = {
         "full_dtype": args.full_dtype,
         "w4_kernel": kernel("w4", W4_DTYPE),  # the eval child ran with this same environment
-        "cpu": _cpu_kind(),
+        "cpu": cpu_kind(),
         "items": sum(len(v) for v in wa.values()),
         "per_lang": {
             k: {"full": lang_mean({k: fb[k]}), "w4": lang_mean({k: wa[k]})} for k in langs

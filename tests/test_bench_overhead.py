@@ -1,6 +1,6 @@
-"""``bench/compiled.py --dry-run`` (issue 48) on the tiny model: both engines compile, every arm
-runs, and the JSON carries each ratio's median and interval at every concurrency. Not timed: the
-numbers of a dry run mean nothing."""
+"""``bench/overhead.py --dry-run`` (issues 7, 48) on the tiny model: both engines compile, every
+arm runs, and the JSON carries each ratio's median and interval at every concurrency and the
+admission cost. Not timed: the numbers of a dry run mean nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from _bench import dry_run
 
 @pytest.mark.slow
 def test_dry_run_writes_ratios_with_intervals(tiny_llama: Path, tmp_path: Path) -> None:
-    out = tmp_path / "compiled.json"
-    res = dry_run("compiled.py", tiny_llama, out, "--kv-cache-bytes", str(64 << 20))
-    assert (res["rounds"], res["tokens"], res["dry_run"]) == (1, 4, True)
+    out = tmp_path / "overhead.json"
+    res = dry_run("overhead.py", tiny_llama, out, "--kv-cache-bytes", str(64 << 20))
+    assert (res["rounds"], res["tokens"], res["dry_run"], res["compiled"]) == (1, 4, True, True)
     keys = [f"c{c}" for c in res["concurrency"]]
     assert keys == ["c1", "c16"]
     for arm in ("stock", "idle", "add", "ablate"):
@@ -25,3 +25,4 @@ def test_dry_run_writes_ratios_with_intervals(tiny_llama: Path, tmp_path: Path) 
             r = by_c[k]
             lo, hi = r["ci95"]
             assert r["median"] > 0 and lo <= r["median"] <= hi and len(r["per_round"]) == 1
+    assert 0 < res["admission_us"] < 1e5

@@ -9,7 +9,7 @@ one the assignment hash gives; each answer of replica A is scored by a feedback 
 replica B (must be 200 and name the arm). Then ``steerserve ab-report STORE`` must count 40
 decisions and 20 scores. The result goes to stdout as JSON (docs/results/ab-store/).
 
-    .venv/bin/python bench/ab_replicas.py [--model gemma-3-270m] [--store URL] [--users 20]
+    .venv/bin/python docs/results/ab-store/ab_replicas.py [--model gemma-3-270m] [--store URL]
 """
 
 from __future__ import annotations
@@ -25,20 +25,19 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import _free_port  # noqa: E402
-from latency import Proc, cpu_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import harness  # noqa: E402
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
-def start(name: str, model: str, store: str, logs: Path) -> Proc:
-    cmd = [sys.executable, "-m", "steerserve", "serve", "--model", model]
-    cmd += ["--port", str(_free_port()), "--max-model-len", "512", "--api-key", KEY]
-    cmd += ["--ab-split", "0.5", "--ab-name", "replicas", "--ab-store", store]
-    cmd += ["--served-model-name", "small", "--log-level", "warning"]
-    return Proc(name, cmd, None, logs / f"{name}.log")
+def start(name: str, model: str, store: str, logs: Path) -> harness.Server:
+    flags = ["--max-model-len", "512", "--api-key", KEY]
+    flags += ["--ab-split", "0.5", "--ab-name", "replicas", "--ab-store", store]
+    flags += ["--served-model-name", "small", "--log-level", "warning"]
+    return harness.serve(name, model, flags, logs / name, wait=False)
 
 
 def main() -> None:
@@ -56,7 +55,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             with ThreadPoolExecutor(2) as pool:
-                list(pool.map(lambda p: p.wait_ready("/ready"), reps))
+                list(pool.map(lambda p: p.wait_ready(), reps))
             ready_s = time.perf_counter() - t0
             ra, rb = (httpx.Client(base_url=p.url, headers=HEADERS, timeout=600) for p in reps)
             exp, rows = Experiment("replicas", 0.5), []
@@ -101,7 +100,7 @@ def main() -> None:
     out = {
         "model": a.model,
         "store": store.split("://")[0],
-        "cpu": cpu_info(),
+        "cpu": harness.cpu_info(),
         "ready_s_both": round(ready_s, 1),
         "users": a.users,
         "checks": checks,

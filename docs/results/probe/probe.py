@@ -9,7 +9,7 @@ Starts the server on a model (default: the small embedded one), then, one case a
 - ``kill -9`` of the server with requests running: seconds until each of its processes is gone.
 Prints one JSON object (and writes it with ``--out``). Measure on a quiet machine.
 
-    python bench/probe.py --model gemma-3-270m --out docs/results/probe/after.json
+    python docs/results/probe/probe.py --model gemma-3-270m --out docs/results/probe/after.json
 """
 
 from __future__ import annotations

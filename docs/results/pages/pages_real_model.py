@@ -2,7 +2,7 @@
 and minutes of CPU): serve it with an A/B split, ask /compare in Japanese in headless Chromium,
 send split requests with feedback, and screenshot /compare and /experiments.
 
-    .venv/bin/python bench/pages_real_model.py --out docs/img/real
+    .venv/bin/python docs/results/pages/pages_real_model.py --out docs/img/real
 
 Prints what each arm answered and what was applied; exits non-zero if a page did not show it.
 """

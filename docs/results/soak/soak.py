@@ -19,8 +19,8 @@ server answered with a 200 in the decision log. Also reported: requests by kind 
 exit status of each incarnation and why (from its log), fault-to-ready and exit-to-ready times,
 p50/p95 latency outside the windows. Exit status 1 when a check fails.
 
-    .venv/bin/python bench/soak.py                                   # default model, 32 x 300 s
-    .venv/bin/python bench/soak.py --model tiny --duration 40 --clients 8   # smoke, tiny model
+    .venv/bin/python docs/results/soak/soak.py                       # default model, 32 x 300 s
+    .venv/bin/python docs/results/soak/soak.py --model tiny --duration 40 --clients 8  # smoke
 """
 
 from __future__ import annotations
@@ -46,9 +46,13 @@ from typing import Any
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway import _free_port, _tiny  # noqa: E402
-from load import EN, FR, JA  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import harness  # noqa: E402
+
+EN = "What is the capital city of France? Please answer briefly."
+FR = "Quelle est la capitale de la France ? Réponds brièvement, s'il te plaît."
+JA = "日本の首都はどこですか"
 
 PROMPTS = (EN, FR, JA)
 #: Seconds every process of an exited incarnation has to be gone (else it is an orphan).
@@ -705,7 +709,7 @@ def server_env(args: Any, workdir: Path) -> tuple[dict[str, str], str]:
     env |= {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "STEERSERVE_HOST": "127.0.0.1",
-        "STEERSERVE_PORT": str(_free_port()),
+        "STEERSERVE_PORT": str(harness.free_port()),
         "STEERSERVE_LOG_LEVEL": "info",
         "STEERSERVE_AB_SPLIT": "0.5",
         "STEERSERVE_AB_NAME": "soak",
@@ -714,7 +718,7 @@ def server_env(args: Any, workdir: Path) -> tuple[dict[str, str], str]:
     if args.drain_seconds is not None:
         env["STEERSERVE_DRAIN_SECONDS"] = str(args.drain_seconds)
     if args.model == "tiny":
-        model, vectors = _tiny(workdir)
+        model, vectors = harness.tiny_with_vectors(workdir)
         env |= {"STEERSERVE_MODEL": str(model), "STEERSERVE_VECTORS_DIR": str(vectors)}
         env |= {"STEERSERVE_DTYPE": "float32", "STEERSERVE_MAX_MODEL_LEN": "512"}
         env |= {"STEERSERVE_KV_CACHE_MEMORY_BYTES": str(128 << 20)}
@@ -779,7 +783,7 @@ def main() -> int:
     log = check_log(workdir / "decisions.jsonl", led)
     s = summarize(sup, led, log, args)
     meta = {
-        "command": "bench/soak.py " + " ".join(sys.argv[1:]),
+        "command": "docs/results/soak/soak.py " + " ".join(sys.argv[1:]),
         "model": model_label,
         "clients": args.clients,
         "duration": args.duration,
