@@ -107,8 +107,9 @@ def ab_report(
         "--split",
         min=0.0,
         max=1.0,
-        help="The share of subjects the server steered (its --ab-split): the sample-ratio "
-        "check compares it with the subjects seen per arm. Default: not checked.",
+        help="For records from before experiments were recorded (no phase): the share of "
+        "subjects the server steered (its --ab-split), for their sample-ratio check. Recorded "
+        "phases carry their own allocation. Default: not checked.",
         show_default=False,
     ),
     primary: str = typer.Option(
@@ -119,10 +120,11 @@ def ab_report(
         show_default=False,
     ),
 ) -> None:
-    """Who won the server's A/B experiment: per experiment, metric and detected language, each
-    arm at the subject level, the steered - unsteered difference with its always-valid
-    interval (corrected for the experiment's family of verdicts), and the sample still needed.
-    Exits 1 when records were skipped or dropped (the report says which)."""
+    """Who won the server's A/B experiment: per experiment and phase (each against its
+    recorded allocation, never pooled), metric and detected language, each arm at the subject
+    level, every treatment - control difference with its always-valid interval (corrected for
+    the experiment's family of verdicts), the sample still needed, and the paired preferences.
+    Exits 1 when records were skipped, dropped or left unaccounted for (the report says which)."""
     from steerserve.server.ab import metrics
     from steerserve.server.ab.analysis import EVERY, ignored_note, report
     from steerserve.server.ab.rendering import report_markdown, write_report

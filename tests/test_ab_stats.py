@@ -187,7 +187,7 @@ def test_report_calls_on_the_always_valid_test_and_keeps_the_fixed_horizon_view(
     assert "Fixed-horizon view (feedback, overall): +0.18" in md and "valid only when" in md
     assert "always-valid" in md and "SAMPLE RATIO MISMATCH" not in md
     assert "Bonferroni over 2 verdicts" in md
-    assert "split is not in the log" in md  # no split given: not checked, and said
+    assert "the allocation is not recorded" in md  # no split given: not checked, and said
     json.loads(render(rep, "json"))
 
 

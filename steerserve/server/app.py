@@ -130,6 +130,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(pages.pages_router())
     admin = [Depends(require_key), Depends(require_admin)]
     app.include_router(pages.experiments_router(), dependencies=admin)
+    app.include_router(pages.preference_router(), dependencies=[Depends(require_key)])
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if settings.allowed_origins:  # vLLM's CORS options; none given: no CORS headers at all
         from starlette.middleware.cors import CORSMiddleware
@@ -194,7 +195,7 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error_handler(request: Request, e: ApiError) -> JSONResponse:
         pipeline.refused(request, e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -39,6 +39,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.message = cut(message, MAX_MESSAGE)
         super().__init__(self.message)
@@ -46,6 +47,7 @@ class ApiError(Exception):
         self.param = None if param is None else cut(param, MAX_PARAM)
         self.code = code
         self.type = type
+        self.headers = headers  # sent with the answer (a 503's Retry-After)
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(

@@ -105,9 +105,12 @@ def _unknown(arg: str) -> str:
     return f"not an option of steerserve serve or of vLLM's engine: {arg}"
 
 
-def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
+def check_presets(
+    presets: tuple[str, ...], ab_preset: str | None, arms: tuple[str, ...] = ()
+) -> None:
     """Each ``--preset NAME=SPEC`` a steering value the API accepts (its vectors are checked once
-    the artifacts are loaded), before the engine starts."""
+    the artifacts are loaded), and each preset an experiment's arm names one, before the engine
+    starts."""
     from steerserve.server.errors import ApiError
     from steerserve.server.presets import DEFAULTS, check_name, parse_option
     from steerserve.server.protocol import parse_steering
@@ -124,6 +127,15 @@ def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
         if name in names:
             raise OptionError(f"{name}: the name is taken (presets: {sorted(names)})", "--preset")
         names.add(name)
+    from steerserve.server.ab.design import parse_arm
+
+    for text in arms:  # parsed already (check_experiment): only the preset's name is new here
+        arm = parse_arm(text)
+        if arm.preset is not None and arm.preset not in names:
+            raise OptionError(
+                f"{arm.name}=preset:{arm.preset}: no such preset (presets: {sorted(names)})",
+                "--ab-arm",
+            )
     if ab_preset is None:
         return
     try:
@@ -134,25 +146,55 @@ def check_presets(presets: tuple[str, ...], ab_preset: str | None) -> None:
         raise OptionError(f"no preset {ab_preset!r} (presets: {sorted(names)})", "--ab-preset")
 
 
-def check_experiment(split: float, name: str, log: str | None, store: str | None = None) -> None:
-    """Refuse a bad split, an unwritable log or an unusable experiment store (a bad URL, an
-    unreachable host, a newer schema: the store is opened and migrated) before the engine
-    starts, naming the option."""
-    from steerserve.server.ab.experiment import DecisionLog, Experiment
+def check_experiment(s: ServeSettings) -> tuple[Any, dict[str, float]] | None:
+    """Refuse a bad experiment (arms, allocation, split), an unwritable log or an unusable
+    experiment store (a bad URL, an unreachable host, a newer schema: the store is opened and
+    migrated) before the engine starts, naming the option; the experiment's (design,
+    allocation), or None."""
+    from steerserve.server.ab import service
+    from steerserve.server.ab.experiment import DecisionLog
 
     try:
-        Experiment(name, split)
-        DecisionLog(log).close()
+        got = service.design_of(
+            s.ab_split, s.ab_name, tuple(s.ab_arm), tuple(s.ab_allocation), s.ab_control,
+            s.ab_preset, s.steering,
+        )  # fmt: skip
+        if got is not None:
+            service.check_arms(got[0])
+        DecisionLog(s.ab_log).close()
     except ValueError as e:
-        option = str(e).split(":", 1)[0]
-        raise OptionError(str(e).split(": ", 1)[-1], option) from None
-    if store:
+        option = getattr(e, "param", None) or str(e).split(":", 1)[0]
+        raise OptionError(getattr(e, "reason", None) or str(e).split(": ", 1)[-1], option) from None
+    if s.ab_store:
         from steerserve.server.ab.store import open_store
 
         try:
-            open_store(store).close()
+            open_store(s.ab_store).close()
         except ValueError as e:
             raise OptionError(str(e), "--ab-store") from None
+    return got
+
+
+def register_experiment(s: ServeSettings, got: tuple[Any, dict[str, float]] | None) -> None:
+    """With a store, create or join the experiment there before the engine starts: other arms
+    than a running replica's, or a ramp that would move a subject between treatments, refuse
+    the start in one line (nothing written)."""
+    if not s.ab_store or got is None:
+        return
+    from steerserve.server.ab import service
+    from steerserve.server.ab.store import experiments, open_store
+
+    store = open_store(s.ab_store)
+    try:
+        experiments.ensure(store, got[0], got[1], s.ab_note or "", service.by())
+    except experiments.Conflict as e:
+        raise OptionError(str(e), "--ab-arm") from None
+    except ValueError as e:  # DesignError: names its flag
+        raise OptionError(getattr(e, "reason", str(e)), getattr(e, "param", "--ab-arm")) from None
+    except Exception as e:  # the store went away meanwhile: said in one line
+        raise OptionError(f"cannot use the experiment store: {e}", "--ab-store") from None
+    finally:
+        store.close()
 
 
 def check_seqs_per_request(cap: int | None, max_num_seqs: int) -> None:
@@ -214,13 +256,14 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
 
     if s.vectors_dir is not None and not Path(s.vectors_dir).is_dir():  # else no preset serves
         raise OptionError(f"{s.vectors_dir}: no such folder", "--vectors-dir")
-    check_experiment(s.ab_split, s.ab_name, s.ab_log, s.ab_store)
+    experiment = check_experiment(s)
     check_seqs_per_request(s.max_seqs_per_request, s.max_num_seqs)
     logging.basicConfig(
         level=s.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     passed = vllm_engine_args(engine_args)  # before the model: a typo costs nothing
-    check_presets(tuple(s.preset), s.ab_preset)
+    check_presets(tuple(s.preset), s.ab_preset, tuple(s.ab_arm))
+    register_experiment(s, experiment)
     if s.tool_call_parser not in ("auto", "none"):
         from steerserve.server.generate.hosted import tool_parser_for
 

@@ -1,10 +1,12 @@
-"""The two pages people look at: ``/compare`` (both arms of one question side by side, streamed)
-and ``/experiments`` (the server's A/B experiment, live).
+"""The two pages people look at: ``/compare`` (both arms of one question side by side, streamed,
+and judged: "A better", "B better", "tie") and ``/experiments`` (the server's A/B experiment,
+live: its arms, allocation and phases, start and stop).
 
 The pages are static HTML and JS with no data in them, so they need no key; they read the API
-with the key the user types, so they follow the API's auth. ``/v1/steering/experiments`` is
-admin-level (the app gates it as the vectors admin: ``admin.AdminGate``), and its numbers come from
-``ab_report.report``, the same code as ``steerserve ab-report``.
+with the key the user types, so they follow the API's auth. ``/v1/steering/experiments`` and its
+controls are admin-level (the app gates them as the vectors admin: ``require_admin``), and its
+numbers come from ``ab_report.report``, the same code as ``steerserve ab-report``. A preference
+(``POST /v1/steering/preference``) needs the API key only, as feedback does.
 """
 
 from __future__ import annotations
@@ -12,16 +14,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
+import time
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from steerserve.engine.spec import short_repr
 from steerserve.server.ab import analysis as ab_report
-from steerserve.server.ab.experiment import STEERED, StoreUnavailable
+from steerserve.server.ab import service as ab_service
+from steerserve.server.ab.design import RUNNING, STOPPED, DesignError
+from steerserve.server.ab.experiment import StoreUnavailable
 from steerserve.server.ab.store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
 
@@ -119,7 +126,7 @@ def experiments_router() -> APIRouter:
                 code="no_decision_log",
             )
         try:
-            rep = await asyncio.to_thread(_report, source, _split(state))
+            rep = await asyncio.to_thread(_report, source)
         except (StoreUnavailable, StoreError) as e:
             raise ApiError(
                 f"the experiment store cannot be read now: {e}",
@@ -130,6 +137,136 @@ def experiments_router() -> APIRouter:
         body = await asyncio.to_thread(ab_report.render, rep, fmt)
         headers = {"content-disposition": f'attachment; filename="report.{fmt}"'}
         return Response(body, media_type=ab_report.FORMATS[fmt], headers=headers)
+
+    controls(r)
+    return r
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PreferenceRequest(_Body):
+    id: str = Field(
+        min_length=1,
+        max_length=200,
+        description="the pair's id: the id of either answer of an A/B request (…-a, …-b) or "
+        "their common prefix",
+    )
+    preference: Literal["a", "b", "tie"] = Field(
+        description="a: answer A (the unsteered one) is better; b: answer B (the steered one) "
+        "is better; tie"
+    )
+
+
+class PhaseRequest(_Body):
+    allocation: dict[str, float] = Field(
+        description="each arm's share of the subjects, summing to 1 (a treatment grows only "
+        "into the control's share)"
+    )
+    why: str = Field("", max_length=500, description="why the allocation changes (the phase's)")
+
+
+class StatusRequest(_Body):
+    why: str = Field("", max_length=500, description="why it stops or starts again")
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` inline as the JSON body (parsed by the route)."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+CONTROL = {
+    **REFUSED,
+    404: {"model": ErrorResponse, "description": "this server runs no experiment of that name"},
+    409: {"model": ErrorResponse, "description": "the allocation or phase change is refused"},
+    503: {"model": ErrorResponse, "description": "the experiment store is unreachable"},
+}
+
+
+def controls(r: APIRouter) -> None:
+    """The experiment's start, stop and allocation (a new phase), on ``r`` (admin-gated)."""
+
+    @r.post("/experiments/{name}/stop", response_model=None, openapi_extra=_body(StatusRequest),
+            responses=CONTROL)  # fmt: skip
+    async def stop(request: Request, name: str) -> dict[str, Any]:
+        """Stop the experiment on every replica: its phase ends; requests are served as
+        without an experiment until it starts again."""
+        return await _control(request, name, StatusRequest, STOPPED)
+
+    @r.post("/experiments/{name}/start", response_model=None, openapi_extra=_body(StatusRequest),
+            responses=CONTROL)  # fmt: skip
+    async def start(request: Request, name: str) -> dict[str, Any]:
+        """Start a stopped experiment again: a new phase, the last one's arms and allocation."""
+        return await _control(request, name, StatusRequest, RUNNING)
+
+    @r.post("/experiments/{name}/phases", response_model=None, openapi_extra=_body(PhaseRequest),
+            responses=CONTROL)  # fmt: skip
+    async def phase(request: Request, name: str) -> dict[str, Any]:
+        """A new allocation: a new phase (analysed apart from the ones before)."""
+        return await _control(request, name, PhaseRequest, None)
+
+
+async def _control(
+    request: Request, name: str, model: type[BaseModel], status: str | None
+) -> dict[str, Any]:
+    from steerserve.server.protocol import read_request
+
+    state = _state(request)
+    registry = state.decisions.registry
+    if registry is None or registry.experiment.name != name:
+        raise ApiError(
+            f"name: this server runs no experiment {short_repr(name)}",
+            status=404,
+            param="name",
+            code="experiment_not_found",
+        )
+    req: Any = await read_request(request, model, state.settings.max_body_bytes)
+    who = f"an admin via {request.url.path} on {ab_service.by().removeprefix('serve on ')}"
+    try:
+        if status is None:
+            await asyncio.to_thread(registry.change, req.allocation, req.why, who)
+        else:
+            await asyncio.to_thread(registry.set_status, status, req.why, who)
+    except DesignError as e:
+        raise ApiError(f"{e.param}: {e.reason}", status=409, param=e.param,
+                       code="phase_refused") from None  # fmt: skip
+    except (StoreUnavailable, StoreError) as e:
+        raise ApiError(
+            f"the experiment store cannot take the change now: {e}",
+            status=503,
+            type="service_unavailable",
+            code="experiment_store_unavailable",
+        ) from None
+    return {"object": "steering.experiment", **registry.describe()}
+
+
+PREFERENCE = {
+    404: {"model": ErrorResponse, "description": "no pair of the experiment has this id"},
+    409: {"model": ErrorResponse, "description": "judged already, or no decision log"},
+    503: {"model": ErrorResponse, "description": "the store is unreachable, or still writing"},
+}
+
+
+def preference_router() -> APIRouter:
+    """``POST /v1/steering/preference`` (the app adds the key check)."""
+    r = APIRouter()
+
+    @r.post("/v1/steering/preference", response_model=None, openapi_extra=_body(PreferenceRequest),
+            responses=PREFERENCE)  # fmt: skip
+    async def preference(request: Request) -> dict[str, Any]:
+        """Judge the pair of an A/B answer: A (unsteered) better, B (steered) better, or a tie.
+        One preference per pair; the report tests them per subject, always valid."""
+        from steerserve.server.generate import pipeline
+        from steerserve.server.protocol import read_request
+
+        state = _state(request)
+        call = request.state.call = pipeline.Call("preference")
+        req = await read_request(request, PreferenceRequest, state.settings.max_body_bytes)
+        out = await ab_service.preference(state.decisions, req.id, req.preference)
+        pipeline.finish(state, call, 200, timed=False)
+        return out
 
     return r
 
@@ -151,62 +288,60 @@ def _source(state: ServerState) -> Path | Store | None:
     return writer.store if writer is not None else _log_path(state)
 
 
-def _split(state: ServerState) -> tuple[str, float] | None:
-    """The running experiment's (name, split), for the report's sample-ratio check."""
-    exp = state.experiment
-    return None if exp is None else (exp.name, exp.split)
-
-
-def _report(source: Path | Store, split: tuple[str, float] | None) -> dict[str, Any]:
+def _report(source: Path | Store) -> dict[str, Any]:
     """The report of the log or the store as it is now (recomputed only when the file, or the
-    store's counts, changed)."""
+    store's counts, changed). The phases' allocations are in the records: nothing to pass."""
     if isinstance(source, Path):
         st = source.stat()
-        return _report_of(str(source), (st.st_size, st.st_mtime_ns), split)
-    return _store_report(source, source.stamp(), split)
+        return _report_of(str(source), (st.st_size, st.st_mtime_ns))
+    return _store_report(source, source.stamp())
 
 
 @functools.lru_cache(maxsize=4)
-def _report_of(
-    path: str, stamp: tuple[int, int], split: tuple[str, float] | None
-) -> dict[str, Any]:
-    return ab_report.report(path, splits=dict([split]) if split else None)
+def _report_of(path: str, stamp: tuple[int, int]) -> dict[str, Any]:
+    return ab_report.report(path)
 
 
 @functools.lru_cache(maxsize=4)
-def _store_report(
-    store: Store, stamp: tuple[int, int, int], split: tuple[str, float] | None
-) -> dict[str, Any]:
-    return ab_report.report(store, splits=dict([split]) if split else None)
+def _store_report(store: Store, stamp: tuple[float, ...]) -> dict[str, Any]:
+    return ab_report.report(store)
+
+
+#: The last report each server read (its time too): shown, with its age, while the store is down.
+_last: dict[int, tuple[dict[str, Any], float]] = {}
+_last_lock = threading.Lock()
 
 
 def snapshot(state: ServerState) -> dict[str, Any]:
-    """What ``/experiments`` shows."""
-    exp, log, writer = state.experiment, state.decisions.log, state.decisions.store
+    """What ``/experiments`` shows; while the store cannot be read, the last report read and
+    when it was read (``report_read_at``), said as such."""
+    log, writer = state.decisions.log, state.decisions.store
+    registry = state.decisions.registry
     path = _log_path(state)
     source = _source(state)
-    rep, unread = None, None
+    rep, unread, read_at = None, None, time.time()
     try:
-        rep = None if source is None else _report(source, _split(state))
+        rep = None if source is None else _report(source)
         if writer is None:
             recent_rows = recent(path) if path is not None and log.content else []
         else:
             recent_rows = writer.store.recent(RECENT) if log.content else []
-    except (StoreUnavailable, StoreError) as e:  # the page says so and tries again
+        if rep is not None:
+            with _last_lock:
+                _last[id(state)] = (rep, read_at)
+    except (StoreUnavailable, StoreError) as e:  # the page says so, shows the last, tries again
         unread, recent_rows = str(e), []
+        with _last_lock:
+            rep, read_at = _last.get(id(state), (None, read_at))
     return {
         "object": "steering.experiments",
-        "experiment": None
-        if exp is None
-        else {
-            "name": exp.name,
-            "split": exp.split,
-            "steered_arm": type(exp.steering(STEERED, state.settings.steering)).__name__.lower(),
-        },
+        "experiment": None if registry is None else registry.describe(),
         "log": {"enabled": log.enabled, "content": log.content, "write_failures": log.failures},
         "store": None if writer is None else store_state(writer) | {"read_error": unread},
         "served": served(state),
         "report": rep,
+        "report_read_at": read_at if rep is not None else None,
+        "report_stale": unread is not None and rep is not None,
         "recent": recent_rows,
     }
 

@@ -252,14 +252,35 @@ class ServeSettings(BaseSettings):
         0.0,
         ge=0,
         le=1,
-        description="A/B experiment: the share of users (the 'user' field, else the "
-        "x-steerserve-subject header) steered, the same users every time; requests with "
-        "'steering' keep theirs. 0: no experiment.",
+        description="A/B experiment of two arms: the share of users (the 'user' field, else "
+        "the x-steerserve-subject header) steered, the same users every time; requests with "
+        "'steering' keep theirs. 0: no experiment. Shorthand for --ab-arm unsteered=off "
+        "--ab-arm steered=auto --ab-allocation steered=F.",
+    )
+    ab_arm: Names = Field(
+        [],
+        description="An arm of the A/B experiment, NAME=SPEC (repeatable, two or more): SPEC "
+        "is off, on, auto, a 'steering' value as JSON, or preset:NAME. The first arm is the "
+        "control unless --ab-control says.",
+    )
+    ab_allocation: Names = Field(
+        [],
+        description="The share of users per arm, NAME=SHARE (repeatable or comma-separated; "
+        "summing to 1). A different allocation under the same --ab-name starts a new phase "
+        "(a ramp: a user moves only from the control into a treatment that grows). Default: "
+        "equal shares.",
+    )
+    ab_control: str | None = Field(
+        None, description="The arm every other arm is compared with. Default: the first arm."
+    )
+    ab_note: str | None = Field(
+        None, description="The experiment's owner note (who runs it and why), shown on the page."
     )
     ab_name: str = Field(
         "default",
         description="A/B experiment name: part of the assignment hash (a new name reshuffles "
-        "users).",
+        "users); its arms, allocation and phases are recorded under it in --ab-store or "
+        "--ab-log.",
     )
     ab_preset: str | None = Field(
         None,
@@ -291,16 +312,24 @@ class ServeSettings(BaseSettings):
         "else ~/.local/state/steerserve/ab-spill.",
     )
 
-    @field_validator("served_model_name", "api_key", "preset", "forwarded_allow_ips", mode="before")
+    @field_validator(
+        "served_model_name",
+        "api_key",
+        "preset",
+        "forwarded_allow_ips",
+        "ab_arm",
+        "ab_allocation",
+        mode="before",
+    )
     @classmethod
     def _names(cls, value: Any, info: Any) -> Any:
-        """A variable's text: a JSON list, else comma-separated names and keys (one preset:
-        a steering spec has commas of its own)."""
+        """A variable's text: a JSON list, else comma-separated names and keys (one preset or
+        arm: a steering spec has commas of its own)."""
         if not isinstance(value, str):
             return value
         if value.lstrip().startswith("["):
             return json.loads(value)
-        if info.field_name == "preset":
+        if info.field_name in ("preset", "ab_arm"):
             return [value]
         return [v.strip() for v in value.split(",") if v.strip()]
 

@@ -17,17 +17,8 @@ from typing import Any
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.api import EngineConfig
 from steerserve.engine.spec import SteeringError
-from steerserve.server.ab.experiment import (
-    MAX_FEEDBACK_PER_ID,
-    STEERED,
-    DecisionLog,
-    DecisionNotLogged,
-    Decisions,
-    Experiment,
-    FeedbackLimit,
-    LogUnwritable,
-    StoreUnavailable,
-)
+from steerserve.server.ab import service as ab_service
+from steerserve.server.ab.experiment import DecisionLog, Decisions
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
@@ -86,6 +77,10 @@ class ServerSettings:
     ab_log_content: bool = default("ab_log_content")
     ab_store: str | None = None
     ab_store_spill: str | None = None  # None: ab_store's default
+    ab_arm: tuple[str, ...] = ()  # NAME=SPEC, two or more (ab/design.py); or ab_split's two
+    ab_allocation: tuple[str, ...] = ()  # NAME=SHARE
+    ab_control: str | None = None
+    ab_note: str | None = None
     # vLLM's names (hosted.build): "auto" picks the model's parser; None for auto-tool-choice:
     # on whenever a parser is in use
     tool_call_parser: str | None = default("tool_call_parser")
@@ -135,8 +130,6 @@ class ServerState:
         self.detector = LanguageDetector()
         self.metrics = Metrics()
         self.metrics.engine_requests.set_function(self.backend.in_flight)
-        exp = Experiment(settings.ab_name, settings.ab_split)  # ValueError naming the option
-        self.experiment = exp if exp.enabled else None
         log = DecisionLog(
             settings.ab_log, settings.ab_log_content, self.metrics.ab_log_failures.inc
         )
@@ -146,6 +139,8 @@ class ServerState:
 
             store = open_writer(settings.ab_store, settings.ab_store_spill, self.metrics)
         self.decisions = Decisions(log, store)
+        # created or joined in its registry (ab/service.py); ValueError naming the option
+        self.experiment, self.decisions.registry = ab_service.open_experiment(settings, log, store)
         cfg = settings.engine
         self.seats = Seats(
             cfg.max_num_seqs, seqs_per_request(cfg.max_num_seqs, settings.max_seqs_per_request)
@@ -204,11 +199,9 @@ class ServerState:
             found = await asyncio.to_thread(self._scan) if self.backend.cfg.steering else []
             # before the engine: a refusal costs no engine start
             check_artifacts(found, self.settings.engine.max_abs_scale)
-            if self.experiment is not None and not any(s.artifact for s in found):
-                raise RuntimeError(
-                    f"--ab-split {self.experiment.split}: no steering artifact for this model "
-                    f"under {self.settings.vectors_dir!r}, so the steered arm would not be steered"
-                )
+            ab_service.check_loaded(
+                self.experiment, any(s.artifact for s in found), self.settings.vectors_dir
+            )
             # The language detector (auto's and the A/B log's) loads its models, ~2 s and
             # ~0.3 GB, while the engine loads (the front end idles meanwhile), not after it.
             warming = None
@@ -247,11 +240,10 @@ class ServerState:
             )
             if (exp := self.experiment) is not None:
                 logger.info(
-                    "A/B experiment %r: %.0f%% of subjects steered (steering %s), decision log "
-                    "%s, store %s",
+                    "A/B experiment %r (%s): arms %s, decision log %s, store %s",
                     exp.name,
-                    exp.split * 100,
-                    type(exp.steering(STEERED, self.settings.steering)).__name__,
+                    exp.status,
+                    ", ".join(f"{a.name}={a.spec}" for a in exp.design.arms),
                     self.settings.ab_log,
                     store.store.shown if (store := self.decisions.store) is not None else None,
                 )
@@ -285,10 +277,7 @@ class ServerState:
             except (ApiError, SteeringError) as e:
                 raise RuntimeError(f"--preset {name}: {e}") from None
             self.presets[pid] = Preset(pid, spec, raw, source)
-        if self.settings.ab_preset is not None:
-            pid = preset_id(self.model_name, self.settings.ab_preset)
-            if pid not in self.presets:
-                raise RuntimeError(f"--ab-preset {self.settings.ab_preset}: no such preset")
+        ab_service.check_presets(self.experiment, self.presets, self.model_name)
 
     def _scan(self, names: Collection[str] | None = None) -> list[Scanned]:
         """The artifact directories under the vectors directory (of ``names`` only, when given),
@@ -309,76 +298,9 @@ class ServerState:
     async def feedback_joined(
         self, rid: str, score: float, metric: str = "feedback"
     ) -> dict[str, Any]:
-        """:meth:`feedback` off the event loop. With a store, an id it does not know yet is
-        asked again for a moment (the replica that answered may still be writing it) without
-        holding a thread while waiting."""
-        from steerserve.server.ab.store.writer import FEEDBACK_GRACE_SECONDS
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (FEEDBACK_GRACE_SECONDS if self.decisions.store else 0)
-        while True:
-            try:
-                return await asyncio.to_thread(self.feedback, rid, score, metric)
-            except ApiError as e:
-                if e.code != "decision_not_found" or loop.time() >= deadline:
-                    raise
-            await asyncio.sleep(0.05)
-
-    def feedback(self, rid: str, score: float, metric: str = "feedback") -> dict[str, Any]:
-        """``POST /v1/steering/feedback``: a score appended to the decision log, joined to the
-        arm of the answer ``rid`` (an enrolled request this server, or one before it, answered)."""
-        if not self.decisions.enabled:
-            raise ApiError(
-                "feedback needs a decision log or an experiment store: start the server with "
-                "--ab-store (STEERSERVE_AB_STORE) or --ab-log (STEERSERVE_AB_LOG)",
-                status=409,
-                code="no_decision_log",
-            )
-        try:
-            known = self.decisions.feedback(rid, score, metric)
-        except KeyError:
-            raise ApiError(
-                f"id: {rid!r} is not an answer of the A/B experiment",
-                status=404,
-                param="id",
-                code="decision_not_found",
-            ) from None
-        except DecisionNotLogged:  # 409, not 503: a retry cannot bring the lost decision back
-            raise ApiError(
-                f"id: {rid!r} was answered, but its decision line could not be written to the "
-                "decision log (a full disk), so a score for it could never be joined",
-                status=409,
-                param="id",
-                code="decision_not_logged",
-            ) from None
-        except ValueError as e:  # the metric's registry names the field
-            raise ApiError(str(e), param=getattr(e, "param", "score")) from None
-        except FeedbackLimit:
-            raise ApiError(
-                f"id: {rid!r} was scored {MAX_FEEDBACK_PER_ID} times already (the last score "
-                "counts)",
-                status=429,
-                param="id",
-                type="rate_limit_error",
-                code="feedback_limit",
-            ) from None
-        except LogUnwritable:
-            raise ApiError(
-                "the decision log could not be written: the score was not recorded",
-                status=503,
-                type="service_unavailable",
-                code="decision_log_unwritable",
-            ) from None
-        except StoreUnavailable:
-            raise ApiError(
-                "the experiment store is unreachable and this server did not give the answer "
-                f"{rid!r}: the score was not recorded; retry",
-                status=503,
-                type="service_unavailable",
-                code="experiment_store_unavailable",
-            ) from None
-        out = {"object": "steering.feedback", "id": rid, "score": float(score), **known}
-        return out if metric == "feedback" else out | {"metric": metric}
+        """``POST /v1/steering/feedback``: a score joined to the arm of the answer ``rid``
+        (``ab/service.py``)."""
+        return await ab_service.feedback_joined(self.decisions, rid, score, metric)
 
     # --- the vectors endpoints -------------------------------------------------------------------
 

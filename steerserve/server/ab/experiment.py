@@ -10,7 +10,6 @@ line is ever rewritten.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -25,13 +24,25 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.server.ab import metrics as ab_metrics
-from steerserve.server.ab.metrics import FEEDBACK
+from steerserve.server.ab.design import (
+    RUNNING,
+    UNSTEERED,
+    Design,
+    Phase,
+    bucket,
+    layouts,
+    two_arms,
+)
+from steerserve.server.ab.design import STEERED as STEERED  # the server imports it from here
+from steerserve.server.ab.metrics import FEEDBACK, PREFERENCE
 from steerserve.server.answers import ExperimentInfo
 from steerserve.server.steering import Auto, Off, On, SteeringSpec
 
 logger = logging.getLogger(__name__)
 
-STEERED, UNSTEERED = "steered", "unsteered"
+#: The arm of an answer of the A/B endpoint (``/v1/chat/completions/ab``, ``/compare``): both
+#: arms at once, judged by a paired preference rather than scored.
+PAIR = "pair"
 #: The arm of a request the experiment could not place: no ``user`` field and no subject header.
 UNENROLLED = "unenrolled"
 #: A request's subject when it has no OpenAI ``user`` field.
@@ -40,10 +51,25 @@ SUBJECT_HEADER = "x-steerserve-subject"
 MAX_REMEMBERED = 200_000
 #: Scores accepted per answer: the last one counts (a changed vote); past this, 429.
 MAX_FEEDBACK_PER_ID = 5
+#: Preferences accepted per pair: one judgement (past it, 409: the first stands).
+MAX_PREFERENCES_PER_PAIR = 1
+
+
+def cap_for(metric: str) -> int:
+    """How many values of ``metric`` one answer takes (all metrics of its kind together)."""
+    return MAX_PREFERENCES_PER_PAIR if metric == PREFERENCE else MAX_FEEDBACK_PER_ID
 
 
 class FeedbackLimit(Exception):
-    """An answer's feedback was given :data:`MAX_FEEDBACK_PER_ID` times already."""
+    """An answer's feedback was given :data:`MAX_FEEDBACK_PER_ID` times already (a pair's
+    preference :data:`MAX_PREFERENCES_PER_PAIR` times)."""
+
+
+class WrongKind(ValueError):
+    """A preference for an answer that is not a pair, or a score for one that is: refused before
+    anything is written, naming ``id``."""
+
+    param = "id"
 
 
 class DecisionNotLogged(Exception):
@@ -76,39 +102,96 @@ class Assignment:
     name: str
     arm: str
     subject_hash: str
+    phase: int = 1
 
     def echo(self) -> dict[str, str]:
         return {"name": self.name, "arm": self.arm, "subject_hash": self.subject_hash}
 
 
-@dataclass(frozen=True)
 class Experiment:
-    """``split`` of the subjects get the steered arm; 0 turns the experiment off."""
+    """The server's experiment as it runs now: its design (``design.py``), its phases (the last
+    one current) and its status. Thread-safe: the registry (``registry.py``) replaces the phases
+    when another replica or an admin changed them, while requests are assigned.
 
-    name: str = "default"
-    split: float = 0.0
+    ``Experiment(name, split)`` is the two-arm shorthand (``--ab-split``)."""
 
-    def __post_init__(self) -> None:
-        if not (isinstance(self.split, int | float) and 0.0 <= self.split <= 1.0):
-            raise ValueError(f"--ab-split: {self.split!r} is not in [0, 1]")
-        if not self.name or len(self.name) > 100:
-            raise ValueError("--ab-name: must be 1-100 characters")
+    def __init__(
+        self,
+        name: str = "default",
+        split: float | None = None,
+        *,
+        design: Design | None = None,
+        allocation: dict[str, float] | None = None,
+        phases: list[Phase] | None = None,
+        status: str = RUNNING,
+        note: str = "",
+    ) -> None:
+        if design is None:
+            design, allocation = two_arms(name, 0.0 if split is None else split)
+        if allocation is None:
+            allocation = {n: 1.0 / len(design.arms) for n in design.names}
+        self.note = note
+        self._lock = threading.Lock()
+        self._specs: dict[tuple[str, str], SteeringSpec] = {}
+        self.set(phases or [Phase(1, design, allocation, time.time(), None, "started")], status)
+
+    def set(self, phases: list[Phase], status: str) -> None:
+        """The phases as recorded (layouts recomputed from all of them) and the status."""
+        last = layouts(phases)[-1]
+        with self._lock:
+            self.phases, self.status, self._layout = list(phases), status, last
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases[-1]
+
+    @property
+    def design(self) -> Design:
+        return self.phase.design
+
+    @property
+    def name(self) -> str:
+        return self.design.name
+
+    @property
+    def split(self) -> float:
+        """The share of subjects in a treatment (the two-arm shorthand's split)."""
+        return 1.0 - self.phase.allocation[self.design.control]
 
     @property
     def enabled(self) -> bool:
+        """Whether any subject is in a treatment (a split of 0 is no experiment)."""
         return self.split > 0.0
 
+    @property
+    def running(self) -> bool:
+        return self.status == RUNNING
+
     def assign(self, subject: str) -> Assignment:
-        """The subject's arm: a uniform number from sha256(name, subject) compared to ``split``."""
-        digest = hashlib.sha256(f"{self.name}\x00{subject}".encode()).hexdigest()
-        u = int(digest[:15], 16) / 16**15
-        return Assignment(self.name, STEERED if u < self.split else UNSTEERED, digest[:16])
+        """The subject's arm in the current phase (``design.bucket`` and the phase's layout)."""
+        b, digest = bucket(self.name, subject)
+        with self._lock:
+            names, owner = self._layout
+            number = self.phases[-1].number
+        return Assignment(self.name, names[int(owner[b])], digest, number)
+
+    def spec(self, arm: str) -> SteeringSpec:
+        """An arm's steering as the policy takes it (parsed once per arm; checked at start)."""
+        from steerserve.server.protocol import parse_steering
+
+        value = self.design.arm(arm).steering
+        key = (arm, repr(value))
+        got = self._specs.get(key)
+        if got is None:
+            got = self._specs[key] = parse_steering(value) or Off()
+        return got
 
     @staticmethod
     def steering(arm: str, default: str) -> SteeringSpec:
-        """An arm's steering: the unsteered arm none; the steered arm ``auto`` (English prompts
-        are not steered), or ``on`` for every prompt when the server's default is ``on``. The
-        default ``off`` does not turn the experiment off: the split is the opt-in."""
+        """The two-arm shorthand's steering: the unsteered arm none; the steered arm ``auto``
+        (English prompts are not steered), or ``on`` for every prompt when the server's default
+        is ``on``. The default ``off`` does not turn the experiment off: the split is the
+        opt-in."""
         if arm == UNSTEERED:
             return Off()
         return On() if default == "on" else Auto()
@@ -241,6 +324,7 @@ class Decisions:
     def __init__(self, log: DecisionLog, store: Any = None) -> None:
         self.log = log
         self.store = store  # ab_store.writer.Writer (not imported: it imports this module)
+        self.registry: Any = None  # registry.Registry: the experiment's record, followed
         if store is not None:
             store.on_lost = self._forget
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -273,13 +357,16 @@ class Decisions:
 
     def close(self) -> None:
         """Close the log; drain the store's queue (bounded), keeping the rest for the next start."""
+        if self.registry is not None:
+            self.registry.close()
         self.log.close()
         if self.store is not None:
             self.store.close()
 
     def record(self, rid: str, decision: dict[str, Any]) -> bool:
         """Log one answered request and remember it for feedback; False if its line was lost.
-        With a store the record is only queued for it (no I/O on the request's path)."""
+        With a store the record is queued for it and appended to the write-ahead file (no wait
+        for the store or the disk on the request's path)."""
         rec = {"type": "decision", "ts": round(time.time(), 3), "id": rid, **decision}
         if not self.log.content:
             rec.pop("prompt", None)
@@ -298,13 +385,14 @@ class Decisions:
             return self._seen.get(rid)
 
     def feedback(self, rid: str, score: float, metric: str = FEEDBACK) -> dict[str, Any]:
-        """Append feedback for a known id; the last of an id's scores per metric counts.
-        ``KeyError``: unknown id; :class:`DecisionNotLogged`: its decision line was lost;
-        ``MetricError`` (a ValueError naming its field): a metric not in the registry, one the
-        server measures itself, or a score out of the metric's range, checked before anything is
-        written; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line
-        was not written (the score is lost, so say so)."""
-        score = ab_metrics.feedback_metric(metric).check(score)
+        """Append feedback (or a pair's preference) for a known id; the last of an id's scores
+        per metric counts. ``KeyError``: unknown id; :class:`DecisionNotLogged`: its decision
+        line was lost; ``MetricError`` (a ValueError naming its field): a metric not in the
+        registry, one the server measures itself, or a score out of the metric's range;
+        :class:`WrongKind`: a preference for an answer that is not a pair, or a score for one
+        that is; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line
+        was not written (the score is lost, so say so). Nothing is written when refused."""
+        score = ab_metrics.posted_metric(metric).check(score)
         if self.store is not None:
             return self._stored_feedback(rid, score, metric)
         known = self.get(rid)
@@ -312,10 +400,8 @@ class Decisions:
             with self._lock:
                 lost = rid in self._lost
             raise DecisionNotLogged(rid) if lost else KeyError(rid)
-        with self._lock:
-            if self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
-                raise FeedbackLimit(rid)
-            self._scored[rid] = self._scored.get(rid, 0) + 1
+        check_kind(rid, known.get("arm"), metric)
+        self._count(rid, metric, check=True)
         line = _feedback_line(rid, score, metric)
         if not self.log.write(line):
             with self._lock:
@@ -326,13 +412,16 @@ class Decisions:
     def _stored_feedback(self, rid: str, score: float, metric: str) -> dict[str, Any]:
         """Feedback with a store: straight into it (any replica's answer; the cap counted
         there), unless a record of ``rid`` still waits in this replica's queue or the store is
-        unreachable and this replica answered ``rid``: then it queues behind, the cap counted
-        here and again when written. :class:`StoreUnavailable`: neither was possible."""
+        unreachable and this replica answered ``rid``: then it queues behind (made durable
+        before the answer), the cap counted here and again when written.
+        :class:`StoreUnavailable`: neither was possible."""
         known = self.get(rid)
         with self._lock:
             lost = rid in self._lost
         if known is None and lost:
             raise DecisionNotLogged(rid)
+        if known is not None:
+            check_kind(rid, known.get("arm"), metric)
         rec = _feedback_line(rid, score, metric)
         rec["fid"] = uuid.uuid4().hex  # the same score written twice (a retry) counts once
         if known is None or not self.store.holds(rid):
@@ -342,25 +431,39 @@ class Decisions:
                 if known is None:
                     raise
             else:
-                self._count(rid)
+                self._count(rid, metric)
                 self.log.write(_line(rec))
                 return got
-        self._count(rid, check=True)
-        if not self.store.put(rec):
+        self._count(rid, metric, check=True)
+        if not self.store.put(rec, sync=True):
             with self._lock:
                 self._scored[rid] -= 1
             raise StoreUnavailable("the experiment store's queue is full")
         self.log.write(_line(rec))
         return known
 
-    def _count(self, rid: str, check: bool = False) -> None:
+    def _count(self, rid: str, metric: str, check: bool = False) -> None:
         """One more score for a remembered ``rid``; ``check``: FeedbackLimit past the cap."""
         with self._lock:
             if rid not in self._seen:
                 return
-            if check and self._scored.get(rid, 0) >= MAX_FEEDBACK_PER_ID:
+            if check and self._scored.get(rid, 0) >= cap_for(metric):
                 raise FeedbackLimit(rid)
             self._scored[rid] = self._scored.get(rid, 0) + 1
+
+
+def check_kind(rid: str, arm: Any, metric: str) -> None:
+    """A pair takes a preference and nothing else; any other answer takes no preference."""
+    if metric == PREFERENCE and arm != PAIR:
+        raise WrongKind(
+            f"id: {rid!r} is not a pair (an answer of /v1/chat/completions/ab): a preference "
+            "judges the two answers of one pair"
+        )
+    if metric != PREFERENCE and arm == PAIR:
+        raise WrongKind(
+            f"id: {rid!r} is a pair (an answer of /v1/chat/completions/ab): judge it with POST "
+            "/v1/steering/preference"
+        )
 
 
 def _feedback_line(rid: str, score: float, metric: str) -> dict[str, Any]:
@@ -384,7 +487,9 @@ class Enrolled:
     decision: dict[str, Any] | None = None
     replies: dict[tuple[int, int], str] | None = None  # (prompt, choice) -> text
     finished: dict[tuple[int, int], str | None] = field(default_factory=dict)  # finish reasons
-    preset: str | None = None  # the steered arm's preset (--ab-preset)
+    preset: str | None = None  # the arm's preset (--ab-preset, an arm preset:NAME)
+    phase: int | None = None  # the experiment's phase it was assigned in
+    pair: bool = False  # an answer of the A/B endpoint: both arms, judged by a preference
 
     def add_replies(self, i: int, out: Any) -> None:
         """A streamed step's text deltas of prompt ``i`` (and each choice's finish reason), for

@@ -3,11 +3,13 @@ range and how its value is had, so the statistics (``stats.py``) and the report 
 treat every metric alike and a deployment adds its own with :func:`register` (or the
 ``steerserve.ab_metrics`` entry point) without touching either.
 
-Two kinds. *Automatic* metrics are computed by the report from what the decision record says of
+Three kinds. *Automatic* metrics are computed by the report from what the decision record says of
 every answer (the prompt's and the reply's detected language, latency, tokens, finish reasons):
 no human needed, both arms alike. *Feedback* metrics are posted by a client or a judge to
 ``POST /v1/steering/feedback`` with the metric's name (``feedback``, the default, is the human
-score). A record that lacks what a metric needs (a log from before replies were detected) gives
+score). *Paired* metrics judge the two answers of one pair (``/v1/chat/completions/ab``, the
+``/compare`` page): ``preference`` is posted to ``POST /v1/steering/preference`` and tested on
+its own, one sample against "no preference" (``pairs.py``). A record that lacks what a metric needs (a log from before replies were detected) gives
 no value: the report says the metric is missing, never zero.
 """
 
@@ -23,7 +25,12 @@ from typing import Any
 PIVOTS = frozenset({"en", "zh"})
 #: Finish reasons that mean the engine did not give a whole answer.
 FAILED = frozenset({"abort", "error", "content_filter"})
-AUTOMATIC, FEEDBACK = "automatic", "feedback"
+AUTOMATIC, FEEDBACK, PAIRED = "automatic", "feedback", "paired"
+#: The paired preference's metric (a pair's two answers judged: +1 B, -1 A, 0 a tie).
+PREFERENCE = "preference"
+#: A preference as posted, and its value: B (the steered answer) better, A (the unsteered
+#: one) better, or a tie.
+CHOICES = {"b": 1.0, "a": -1.0, "tie": 0.0}
 #: What a metric is for in a verdict: the one the winner is called on, a guardrail (tested for
 #: harm: the arm that is better on the primary does not win if it harms one), or a secondary.
 PRIMARY, GUARDRAIL, SECONDARY = "primary", "guardrail", "secondary"
@@ -199,6 +206,16 @@ BUILTIN = (
         compute=_finished(FAILED),
         effect=0.02,
     ),
+    Metric(
+        PREFERENCE,
+        "which answer of a pair was better: +1 B (the steered one), -1 A (the unsteered), 0 a tie",
+        +1,
+        -1.0,
+        1.0,
+        kind=PAIRED,
+        role=PRIMARY,
+        effect=0.1,
+    ),
 )
 #: The metric the winner is called on when the report is not told: human feedback where the
 #: experiment has any, else this (the failure steering exists to fix, measured on every reply).
@@ -214,6 +231,8 @@ def register(metric: Metric) -> Metric:
     from the decision record: ``compute=``); ValueError for a name taken or a bad row."""
     if not metric.name.isidentifier() or metric.name in _registry:
         raise ValueError(f"metric {metric.name!r}: not an identifier, or registered already")
+    if metric.kind == PAIRED:
+        raise ValueError(f"metric {metric.name!r}: the paired metric is the server's own")
     if (metric.kind == AUTOMATIC) != (metric.compute is not None):
         raise ValueError(f"metric {metric.name!r}: an automatic metric computes, feedback doesn't")
     if metric.direction not in (-1, 1) or not metric.lo < metric.hi or metric.role == PRIMARY:
@@ -247,7 +266,17 @@ def feedback_metric(name: Any) -> Metric:
     """The metric a feedback request scores; automatic ones are refused (the server measures
     them on every reply: a client's value would be a second, different one)."""
     m = get(name)
+    if m.kind == PAIRED:
+        raise MetricError(f"metric: {m.name} judges a pair: POST /v1/steering/preference", "metric")
     if m.kind != FEEDBACK:
+        raise MetricError(f"metric: {m.name} is measured by the server, not posted", "metric")
+    return m
+
+
+def posted_metric(name: Any) -> Metric:
+    """The metric a feedback or preference names: a feedback metric, or the paired one."""
+    m = get(name)
+    if m.kind == AUTOMATIC:
         raise MetricError(f"metric: {m.name} is measured by the server, not posted", "metric")
     return m
 

@@ -33,6 +33,8 @@ class Row:
     ts: float | None = None
     applied: bool | None = None  # the steered arm's steering applied (None: not recorded)
     values: dict[str, float] = field(default_factory=dict)
+    phase: int | None = None  # the experiment's phase it was assigned in (None: not recorded)
+    treatment: str | None = None  # a pair's steered answer, in words (``pairs.py``)
 
     def __post_init__(self) -> None:
         if self.score is not None:
@@ -70,28 +72,51 @@ def scan_log(path: str | Path) -> tuple[list[Row], Ignored]:
     value outside its metric's range), feedback for an id with no decision in the log (its
     decision line was lost) and feedback for a metric the registry lacks."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        return scan_records(map(_parse, f))
+        return scan_records(map(parse_line, f))
 
 
-def _parse(line: str) -> Any:
+def parse_line(line: str) -> Any:
+    """A log line's record, or None (a torn line: counted unreadable)."""
     try:
         return json.loads(line)
     except (ValueError, RecursionError):
-        return None  # a torn line: counted unreadable
+        return None
 
 
 def scan_records(records: Iterable[Any]) -> tuple[list[Row], Ignored]:
     """:func:`scan_log` of records already parsed (a log's lines, or an experiment store's rows
     in the same shape: one join for both)."""
+    got = scan(records)
+    return got.rows, got.ignored
+
+
+@dataclass
+class Scan:
+    """What a log or a store holds: the rows, the lines ignored, and the experiments' own
+    records (phases, by experiment and number: the latest line of each; status and note)."""
+
+    rows: list[Row]
+    ignored: Ignored
+    phases: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    experiments: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def scan(records: Iterable[Any]) -> Scan:
+    """:func:`scan_records` with the experiments' phase and status records kept."""
     rows: dict[str, Row] = {}
     scores: dict[str, list[tuple[str, float]]] = {}
     ignored = Ignored()
+    out = Scan([], ignored)
     for rec in records:
         kind = rec.get("type") if isinstance(rec, dict) else None
         if kind == "decision" and (row := _decision(rec)) is not None:
             rows[row.id] = row
         elif kind == "feedback" and (got := _feedback(rec, ignored)) is not None:
             scores.setdefault(rec["id"], []).append(got)
+        elif kind == "phase" and _phase(rec):
+            out.phases.setdefault(rec["experiment"], {})[rec["phase"]] = rec
+        elif kind == "experiment" and isinstance(rec.get("experiment"), str):
+            out.experiments[rec["experiment"]] = rec
         elif kind != "feedback":
             ignored.unreadable += 1
     for rid, given in scores.items():
@@ -100,7 +125,14 @@ def scan_records(records: Iterable[Any]) -> tuple[list[Row], Ignored]:
             continue
         for metric, value in given:  # in order: the last per metric counts
             rows[rid].scored(metric, value)
-    return list(rows.values()), ignored
+    out.rows = list(rows.values())
+    return out
+
+
+def _phase(rec: dict[str, Any]) -> bool:
+    """Whether a phase line has what a report needs (the rest is read by ``design.Phase.of``)."""
+    ok = isinstance(rec.get("experiment"), str) and isinstance(rec.get("phase"), int)
+    return ok and isinstance(rec.get("arms"), list) and isinstance(rec.get("allocation"), dict)
 
 
 def _decision(rec: dict[str, Any]) -> Row | None:
@@ -111,7 +143,7 @@ def _decision(rec: dict[str, Any]) -> Row | None:
         return None
     if latency is not None and (finite_number(latency) is None or latency < 0):
         return None
-    applied = rec.get("applied")
+    applied, phase = rec.get("applied"), rec.get("phase")
     return Row(
         rid,
         *names,  # type: ignore[arg-type]
@@ -120,6 +152,8 @@ def _decision(rec: dict[str, Any]) -> Row | None:
         ts=float(ts) if finite_number(ts) is not None else None,
         applied=applied if isinstance(applied, bool) else None,
         values=ab_metrics.automatic(rec),
+        phase=phase if isinstance(phase, int) and not isinstance(phase, bool) else None,
+        treatment=_str_or_none(rec.get("treatment")),
     )
 
 
@@ -136,7 +170,7 @@ def _feedback(rec: dict[str, Any], ignored: Ignored) -> tuple[str, float] | None
     except ab_metrics.MetricError:
         ignored.unknown_metric += 1
         return None
-    if not isinstance(rec.get("id"), str) or metric.kind != ab_metrics.FEEDBACK:
+    if not isinstance(rec.get("id"), str) or metric.kind == ab_metrics.AUTOMATIC:
         ignored.unreadable += 1
         return None
     try:

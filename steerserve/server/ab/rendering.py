@@ -62,32 +62,36 @@ def _call(r: Mapping[str, Any]) -> str:
     return {"open": "no difference yet", "too few": "too few values"}.get(r["status"], r["status"])
 
 
-def _metric_rows(label: str, group: Mapping[str, Any]) -> list[str]:
+def _metric_rows(label: str, group: Mapping[str, Any], several: bool) -> list[str]:
     out = []
-    for name, r in group["metrics"].items():
-        if r["status"] == "missing":
-            out.append(f"| {name} | {label} | – | – | – | – | missing: no values here | | |")
-            continue
-        n, s, mean = r["n"], r["subjects"], r["mean"]
-        cells = [
-            name,
-            label,
-            f"{n[STEERED]} ({s[STEERED]})",
-            f"{n[UNSTEERED]} ({s[UNSTEERED]})",
-            _fmt(mean[STEERED]),
-            _fmt(mean[UNSTEERED]),
-            diff_text(r["difference"]),
-            _call(r),
-            _needed(r),
-        ]
-        out.append("| " + " | ".join(cells) + " |")
+    for t, c in group.get("comparisons", {"": group}).items():
+        vs = [t] if several else []
+        for name, r in c["metrics"].items():
+            if r["status"] == "missing":
+                cells = [name, label, *vs, "–", "–", "–", "–", "missing: no values here", "", ""]
+                out.append("| " + " | ".join(cells).rstrip() + " |")
+                continue
+            treat, control = r.get("arms") or ARMS
+            n, s, mean = r["n"], r["subjects"], r["mean"]
+            cells = [
+                name,
+                label,
+                *vs,
+                f"{n[treat]} ({s[treat]})",
+                f"{n[control]} ({s[control]})",
+                _fmt(mean[treat]),
+                _fmt(mean[control]),
+                diff_text(r["difference"]),
+                _call(r),
+                _needed(r),
+            ]
+            out.append("| " + " | ".join(cells) + " |")
     return out
 
 
 def _arm_table(label: str, cmp: Mapping[str, Any]) -> list[str]:
     lines = []
-    for arm in ARMS:
-        a = cmp["arms"][arm]
+    for arm, a in cmp["arms"].items():
         sc, lat = a["score"], a["latency_ms"]
         lines.append(
             f"| {label} | {arm} | {a['requests']} | {a['subjects']} | {sc['n']} | "
@@ -96,41 +100,107 @@ def _arm_table(label: str, cmp: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "–"
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def allocation_text(allocation: Mapping[str, float] | None) -> str:
+    if not allocation:
+        return "not recorded"
+    return ", ".join(f"{arm} {share:.4g}" for arm, share in allocation.items())
+
+
+def phases_table(exp: Mapping[str, Any]) -> list[str]:
+    """Every phase of an experiment: its allocation, when, why, how many requests, its
+    sample-ratio check (each phase its own: a ramp is never one period)."""
+    lines = [
+        "| phase | allocation | started | ended | why | requests | sample ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in exp.get("phases", []):
+        srm = p.get("srm")
+        check = "–" if srm is None else ("MISMATCH" if srm["flagged"] else
+                                          f"p = {srm['p_value']:.2g}" if srm["checked"] else "not checked")  # fmt: skip
+        lines.append(
+            f"| {p['phase'] if p['phase'] is not None else '(none)'} | "
+            f"{allocation_text(p['allocation'])} | {_when(p['started'])} | {_when(p['ended'])} | "
+            f"{p['why'] or '–'} | {p['requests']} | {check} |"
+        )
+    return lines
+
+
 def experiment_markdown(name: str, exp: Mapping[str, Any]) -> list[str]:
-    """One experiment's section."""
-    o, fam = exp["overall"], exp["family"]
+    """One experiment's section: its phases, then each phase with requests analysed alone."""
     lines = ["", f"## Experiment `{name}`", ""]
+    status = exp.get("status")
+    if status or exp.get("note"):
+        lines += [
+            f"Status: {status or 'not recorded'}."
+            + (f" Note: {exp['note']}" if exp.get("note") else ""),
+            "",
+        ]
+    lines += phases_table(exp)
+    analysed = [p for p in exp.get("phases", []) if p["requests"]]
+    for p in analysed:
+        title = (
+            "rows from before phases were recorded" if p["phase"] is None else f"Phase {p['phase']}"
+        )
+        lines += ["", f"### {title} ({allocation_text(p['allocation'])})"]
+        lines += phase_markdown(p)
+    return lines
+
+
+def phase_markdown(exp: Mapping[str, Any]) -> list[str]:
+    """One phase: its verdict, family, sample-ratio check and tables."""
+    o, fam = exp["overall"], exp["family"]
+    treatments, control = exp["treatments"], exp["control"]
+    several = len(treatments) > 1
+    lines = [""]
     if warning := srm_warning(exp.get("srm")):
         lines += [f"**{warning}**", ""]
     lines += [
-        f"**Verdict: {o['verdict']}.** (Primary metric: {exp['primary']}; unit: {exp['unit']}.)",
+        f"**Verdict: {o['verdict']}.** (Primary metric: {exp['primary']}; unit: {exp['unit']}; "
+        f"control: {control}.)",
         "",
         f"- Family: {fam['method']} over {fam['size']} verdicts ({len(fam['metrics'])} metrics x "
-        f"{fam['groups']} groups): each at {fam['each']:.2g}, so all of them at every look call "
-        f"a false winner with probability <= {fam['alpha']:g}.",
+        f"{fam['groups']} groups"
+        + (f" x {fam['treatments']} treatments" if several else "")
+        + f"): each at {fam['each']:.2g}, so all of them at every look call a false winner with "
+        f"probability <= {fam['alpha']:g}.",
     ]
-    if exp["not_applied"]:
-        lines.append(
-            f"- Steered arm not applied in: {', '.join(exp['not_applied'])} (those prompts were "
-            "answered unsteered in both arms; shown per language, left out of the overall)."
-        )
+    for t, langs in exp["not_applied_by_arm"].items():
+        if langs and not several:
+            lines.append(
+                f"- Steered arm not applied in: {', '.join(langs)} (those prompts were answered "
+                "unsteered in both arms; shown per language, left out of the overall)."
+            )
+        elif langs:
+            lines.append(
+                f"- {t} not applied in: {', '.join(langs)} (those prompts were answered "
+                f"unsteered in {t} too; shown per language, left out of {t}'s overall)."
+            )
     fh = o["fixed_horizon"]
-    if fh.get("diff") is not None:
+    if fh.get("diff") is not None and not several:
         lines.append(
             f"- Fixed-horizon view ({exp['primary']}, overall): {fh['diff']:+.3g} "
             f"{_ci(fh['ci95'])}, p = {fh['p_value']:.2g}. {fh['note']}."
         )
     if "srm" in exp:
         lines.append(f"- Sample ratio: {srm_line(exp['srm'])}.")
-    lines += [
-        "",
-        "| metric | group | steered n (subjects) | unsteered n (subjects) | steered | unsteered "
-        "| steered − unsteered [always-valid CI] | call | still needed |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *_metric_rows("all", o),
-    ]
+    if several:
+        head = ("| metric | group | treatment | treatment n (subjects) | control n (subjects) | "
+                "treatment | control | treatment − control [always-valid CI] | call | still needed |")  # fmt: skip
+    else:
+        t = treatments[0]
+        head = (f"| metric | group | {t} n (subjects) | {control} n (subjects) | {t} | {control} "
+                f"| {t} − {control} [always-valid CI] | call | still needed |")  # fmt: skip
+    lines += ["", head, "|---" * (10 if several else 9) + "|", *_metric_rows("all", o, several)]
     for lang, g in exp["per_language"].items():
-        lines += _metric_rows(lang, g)
+        lines += _metric_rows(lang, g, several)
     lines += [
         "",
         "| language | arm | requests | subjects | scored | mean feedback [95 % CI] | p50 ms | "
@@ -145,6 +215,35 @@ def experiment_markdown(name: str, exp: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def preferences_markdown(prefs: Mapping[str, Any]) -> list[str]:
+    """The judged pairs: per experiment and treatment, overall and per language."""
+    lines: list[str] = []
+    for name, e in prefs.items():
+        fam = e["family"]
+        lines += [
+            "",
+            f"## Paired preferences `{name}`",
+            "",
+            "Each pair is one A/B request's two answers judged side by side (B is the steered "
+            "one): the mean of +1 (B better), -1 (A better) and 0 (a tie) per subject, tested "
+            f"against 0, always valid, {fam['method']} over {fam['size']} verdicts (each at "
+            f"{fam['each']:.2g}).",
+            "",
+            "| treatment (B) | group | pairs | judged (subjects) | B better | A better | ties | "
+            "mean [always-valid CI] | call | sign test p (fixed horizon) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for t, by in e["treatments"].items():
+            for label, r in [("all", by["overall"]), *by["per_language"].items()]:
+                mean = "–" if r["mean"] is None else f"{r['mean']:+.3g} {_ci(r['ci'])}"
+                sign = r["sign_test"]["p_value"]
+                lines.append(
+                    f"| {t} | {label} | {r['pairs']} | {r['judged']} ({r['subjects']}) | {r['b']} | "
+                    f"{r['a']} | {r['tie']} | {mean} | {r['verdict']} | {_fmt(sign, 2)} |"
+                )
+    return lines
+
+
 def report_markdown(rep: Mapping[str, Any]) -> str:
     lines = [
         "# A/B report",
@@ -152,30 +251,34 @@ def report_markdown(rep: Mapping[str, Any]) -> str:
         f"{rep['requests']} logged requests, {rep['not_enrolled']} not enrolled (no subject, "
         "explicit steering, or no experiment). Every verdict stands on an always-valid "
         "interval (mSPRT) at the unit of randomisation (the subject), corrected for the family "
-        "of the experiment's metrics and languages: read at every refresh, all of an "
-        "experiment's verdicts together call a false winner with probability at most "
-        f"{rep['alpha']:g}, so it may be watched live and stopped at any time. A verdict needs "
-        f"{rep['min_scored_per_arm']} values per arm.",
+        "of the experiment's metrics, languages and treatments: read at every refresh, all of "
+        "an experiment's verdicts together call a false winner with probability at most "
+        f"{rep['alpha']:g}, so it may be watched live and stopped at any time. Each phase (a "
+        "change of allocation or arms) is analysed alone, against its recorded allocation. A "
+        f"verdict needs {rep['min_scored_per_arm']} values per arm.",
     ]
     if note := ignored_note(rep):
         lines += ["", f"{note}."]
     if (st := rep.get("store")) is not None:
         lines += ["", store_line(st)]
-    if not rep["experiments"]:
+    if not rep["experiments"] and not rep.get("preferences"):
         lines += ["", "No enrolled requests in this log."]
     for name, exp in rep["experiments"].items():
         lines += experiment_markdown(name, exp)
+    lines += preferences_markdown(rep.get("preferences") or {})
     return "\n".join(lines) + "\n"
 
 
 def srm_line(srm: Mapping[str, Any]) -> str:
     """The sample-ratio check in words."""
     c = srm["counts"]
-    line = f"{c[STEERED]} steered / {c[UNSTEERED]} unsteered {srm['unit']}"
+    line = " / ".join(f"{n} {arm}" for arm, n in c.items()) + f" {srm['unit']}"
     if srm.get("subjects_in_both_arms"):
-        line += f" ({srm['subjects_in_both_arms']} in both arms)"
-    if srm["split"] is not None:
+        line += f" ({srm['subjects_in_both_arms']} in more than one arm)"
+    if srm.get("split") is not None and set(c) == set(ARMS):
         line += f", split {srm['split']:.3g} steered"
+    elif srm.get("allocation"):
+        line += f", allocation {allocation_text(srm['allocation'])}"
     if srm["p_value"] is not None and srm["checked"]:
         line += f": chi-square p = {srm['p_value']:.2g}"
         line += " (mismatch)" if srm["flagged"] else " (no mismatch)"
@@ -191,8 +294,9 @@ def srm_warning(srm: Mapping[str, Any] | None) -> str | None:
         return None
     return (
         f"WARNING: SAMPLE RATIO MISMATCH (p < {srm['alpha']:g}): {srm_line(srm)}. The arms did "
-        "not get the share the split assigns (requests failing or not logged in one arm, a "
-        "changed split, bots): find the cause before trusting any result below"
+        "not get the shares the allocation assigns (requests failing or not logged in one arm, "
+        "a changed split outside the record, bots): find the cause before trusting any result "
+        "below"
     )
 
 
@@ -212,7 +316,14 @@ def ignored_note(rep: Mapping[str, Any]) -> str | None:
     if dropped := (rep.get("store") or {}).get("dropped"):
         notes.append(
             f"{dropped} record(s) dropped by the servers before they reached the store (a full "
-            "queue while it was unreachable, feedback over the cap): not in these numbers"
+            "queue while it was unreachable, feedback over the cap, a line a crash tore): not "
+            "in these numbers"
+        )
+    if lost := (rep.get("store") or {}).get("unaccounted"):
+        who = ", ".join(rep["store"].get("unaccounted_replicas") or [])
+        notes.append(
+            f"{lost} record(s) still queued on replica(s) silent for over a minute ({who}): "
+            "lost unless a process replays their write-ahead file"
         )
     return "; ".join(notes) or None
 
@@ -224,7 +335,9 @@ def store_line(st: Mapping[str, Any]) -> str:
         f"{st['written']} records"
     )
     if st.get("queued"):
-        line += f"; {st['queued']} were still queued at their last write"
+        line += f"; {st['queued']} were still queued at their last report"
+    if st.get("dropped"):
+        line += f"; {st['dropped']} dropped"
     return line + "."
 
 
@@ -253,22 +366,27 @@ def _finite(v: Any) -> Any:
 
 
 def _forest(ax: Any, name: str, exp: Mapping[str, Any]) -> None:
-    """One metric's difference per group with its always-valid interval."""
+    """One metric's difference per group (and treatment) with its always-valid interval."""
     groups = {"all": exp["overall"], **exp["per_language"]}
-    rel = False
-    for y, g in enumerate(groups.values()):
-        r = g["metrics"][name]
-        d = r["difference"]
-        rel = d["relative"]
-        if d["ci"] is None:
-            continue
-        scale = 100 if rel else 1
-        lo, hi = d["ci"][0] * scale, d["ci"][1] * scale
-        color = {"called": "tab:red" if r["harm"] else "tab:green"}.get(r["status"], "tab:gray")
-        ax.plot([lo, hi], [y, y], color=color, lw=2)
-        ax.plot([d["diff"] * scale], [y], "o", color=color)
+    several = len(exp.get("treatments") or [1]) > 1
+    labels, rel, y = [], False, 0
+    for label, g in groups.items():
+        for t, c in g.get("comparisons", {"": g}).items():
+            r = c["metrics"][name]
+            d = r["difference"]
+            rel = d["relative"]
+            labels.append(f"{label}: {t}" if several else label)
+            if d["ci"] is not None:
+                scale = 100 if rel else 1
+                lo, hi = d["ci"][0] * scale, d["ci"][1] * scale
+                color = {"called": "tab:red" if r["harm"] else "tab:green"}.get(
+                    r["status"], "tab:gray"
+                )
+                ax.plot([lo, hi], [y, y], color=color, lw=2)
+                ax.plot([d["diff"] * scale], [y], "o", color=color)
+            y += 1
     ax.axvline(0, color="black", lw=0.8)
-    ax.set_yticks(range(len(groups)), list(groups))
+    ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_title(name + (" (%)" if rel else ""), fontsize=9)
 
@@ -293,7 +411,7 @@ def plot(rep: Mapping[str, Any], path: str | Path | IO[bytes]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    exps = list(rep["experiments"].items())[:PLOTTED] or [("(none)", None)]
+    exps = list(rep["experiments"].items())[:PLOTTED] or [("(none)", None)]  # each its latest phase
     cols = max([len(e["family"]["metrics"]) + 1 for _, e in exps if e] or [1])
     fig, axes = plt.subplots(
         len(exps), cols, figsize=(2.6 * cols + 1, 2.8 * len(exps)), squeeze=False

@@ -299,3 +299,51 @@ def srm(
         "checked": p is not None and trusted,
         "flagged": p is not None and trusted and p < alpha,
     }
+
+
+def srm_arms(
+    counts: Sequence[int], shares: Sequence[float], alpha: float = SRM_ALPHA, unit: str = "subjects"
+) -> dict[str, Any]:
+    """:func:`srm` for any number of arms: a chi-square goodness-of-fit test (k - 1 degrees of
+    freedom) of ``counts`` against the allocation's ``shares``; an arm the allocation leaves
+    empty that got any is a mismatch at once (p = 0)."""
+    from scipy.stats import chi2
+
+    total = sum(counts)
+    expected = [total * s for s in shares]
+    p: float | None
+    if total <= 0:
+        p = None
+    elif any(e <= 0 < o for o, e in zip(counts, expected, strict=True)):
+        p = 0.0
+    else:
+        live = [(o, e) for o, e in zip(counts, expected, strict=True) if e > 0]
+        stat = sum((o - e) ** 2 / e for o, e in live)
+        p = float(chi2.sf(stat, len(live) - 1)) if len(live) > 1 else None
+    live_expected = [e for e in expected if e > 0]
+    trusted = p == 0.0 or (bool(live_expected) and min(live_expected) >= SRM_MIN_EXPECTED)
+    return {
+        "unit": unit,
+        "counts": list(counts),
+        "p_value": p,
+        "alpha": alpha,
+        "checked": p is not None and trusted,
+        "flagged": p is not None and trusted and p < alpha,
+    }
+
+
+def one_sample(
+    m: Moments,
+    lo: float = -1.0,
+    hi: float = 1.0,
+    alpha: float = ALPHA,
+    tau2: float = TAU2,
+) -> tuple[F, F, F]:
+    """(mean, half-width, p-value) of one sample's mean against 0 at the subject level, always
+    valid: the mSPRT of :func:`always_valid_arrays` with the other arm known to be 0 (a paired
+    preference: +1, -1 or 0 per pair). The variance is shrunk toward the worst case at 0, the
+    mean the null says it has."""
+    r, v = ratio(m, lo, hi, center=np.zeros_like(np.asarray(m.n, dtype=float)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.minimum(1.0, np.exp(-log_mixture_lr(r, v, tau2)))
+        return r, half_width(v, alpha, tau2), p

@@ -1,6 +1,7 @@
 """A generation request under the server's A/B experiment: who is enrolled in which arm
 (:func:`enrol`), the decision the log gets (:func:`decide`), and, once the request is settled,
-its metrics and log line (:func:`settle_experiment`).
+its metrics and log line (:func:`settle_experiment`). An answer of the A/B endpoint is recorded
+as a pair (both arms at once), which a person or a client then judges with a preference.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from steerserve.server.ab.design import bucket
 from steerserve.server.ab.experiment import (
-    STEERED,
+    PAIR,
     SUBJECT_HEADER,
     UNENROLLED,
     Enrolled,
@@ -32,26 +34,48 @@ def enrol(
 ) -> tuple[SteeringSpec | None, Enrolled | None]:
     """The steering under the A/B experiment, and the request's place in it: a request without
     ``steering`` and with a subject (its ``user``, else the subject header) gets its arm's; one
-    without a subject is served as before, marked un-enrolled. Explicit steering and the A/B
-    endpoint are left alone (no place)."""
+    without a subject is served as before, marked un-enrolled. Explicit steering is left alone
+    (no place), and so is every request while the experiment is stopped. An answer of the A/B
+    endpoint is a pair, recorded where decisions are kept."""
     exp = state.experiment
-    if exp is None or ep.ab or req.steering is not None:
+    if ep.ab:
+        return req.steering, pair(state, request, req)
+    if exp is None or not exp.running or req.steering is not None:
         return req.steering, None
+    subject = _subject(request, req)
+    if not subject:
+        return None, Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
+    a = exp.assign(subject)
+    enrolled = Enrolled(ExperimentInfo(**a.echo()), phase=a.phase)
+    arm = exp.design.arm(a.arm)
+    if arm.preset is not None:
+        preset = state.presets[preset_id(state.model_name, arm.preset)]
+        enrolled.preset = preset.id
+        return preset.spec, enrolled
+    return exp.spec(a.arm), enrolled
+
+
+def _subject(request: Request, req: Any) -> str | None:
     subject = req.user
     if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
         try:
             subject = header_subject(raw)
         except ValueError as e:
             raise ApiError(str(e), param=SUBJECT_HEADER) from None
-    if not subject:
-        return None, Enrolled(ExperimentInfo(name=exp.name, arm=UNENROLLED))
-    a = exp.assign(subject)
-    enrolled = Enrolled(ExperimentInfo(**a.echo()))
-    if (name := state.settings.ab_preset) is not None and a.arm == STEERED:
-        preset = state.presets[preset_id(state.model_name, name)]
-        enrolled.preset = preset.id
-        return preset.spec, enrolled
-    return exp.steering(a.arm, state.settings.steering), enrolled
+    return subject or None
+
+
+def pair(state: ServerState, request: Request, req: Any) -> Enrolled | None:
+    """An A/B answer's place: a pair of the server's experiment (its name even while it is
+    stopped, or ``--ab-name``), its subject hashed as the experiment's would be; None where no
+    decisions are kept (a preference could never be joined)."""
+    if not state.decisions.enabled:
+        return None
+    exp = state.experiment
+    name = exp.name if exp is not None else state.settings.ab_name
+    subject = _subject(request, req)
+    digest = bucket(name, subject)[1] if subject else None
+    return Enrolled(ExperimentInfo(name=name, arm=PAIR, subject_hash=digest), pair=True)
 
 
 async def decide(
@@ -75,7 +99,9 @@ async def decide(
         except Exception:  # undetectable text
             lang = None
     ab.rid = rid
-    ab.replies = {}  # collected for the reply's metrics; logged only with --ab-log-content
+    # collected for the reply's metrics; logged only with --ab-log-content (a pair's two
+    # answers are judged, not measured)
+    ab.replies = None if ab.pair else {}
     ab.decision = {
         "experiment": ab.echo.name,
         "arm": ab.echo.arm,
@@ -85,9 +111,20 @@ async def decide(
         "language": lang,
         "applied": info.applied,
         **({"preset": ab.preset} if ab.preset else {}),
+        **({} if ab.phase is None else {"phase": ab.phase}),
+        **({"treatment": treatment(info)} if ab.pair else {}),
         "vectors": [iv.vector for iv in info.interventions],
         "prompt": texts,  # dropped unless --ab-log-content
     }
+
+
+def treatment(info: SteeringInfo) -> str:
+    """A pair's steered answer in words: its preset, or each intervention and its scale (two
+    multipliers of one vector are two treatments)."""
+    if info.preset:
+        return info.preset
+    parts = [f"{iv.vector}x{iv.scale:.3g}" for iv in info.interventions]
+    return " + ".join(parts) or info.policy
 
 
 def settle_experiment(
@@ -99,10 +136,13 @@ def settle_experiment(
     state.metrics.observe_ab(ab.echo.name, ab.echo.arm, status, seconds, tokens)
     if ab.decision is None or status != 200:
         return
+    if ab.pair:
+        state.decisions.record(ab.rid, {**ab.decision, "latency_ms": _ms(seconds)})
+        return
     keys = sorted(ab.replies or {})
     record = {
         **ab.decision,
-        "latency_ms": None if seconds is None else round(seconds * 1e3, 1),
+        "latency_ms": _ms(seconds),
         "prompt_tokens": tokens[0],
         "completion_tokens": tokens[1],
         # what the automatic metrics (ab/metrics.py) are computed from, for both arms alike
@@ -112,6 +152,10 @@ def settle_experiment(
     if state.decisions.log.content:
         record["reply"] = [ab.replies[k] for k in keys]  # type: ignore[index]
     state.decisions.record(ab.rid, record)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
 
 
 def reply_language(state: ServerState, text: str) -> str | None:

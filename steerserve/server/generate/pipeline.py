@@ -136,7 +136,8 @@ async def plan(job: Job) -> None:
     state, req, backend, settings = job.state, job.req, job.state.backend, job.state.settings
     job.hexid = answer_hexid(job.call)
     rid = job.ep.answer_id(job.hexid)
-    await decide(state, job.call.experiment, job.call.endpoint, rid, job.arms[0].info, job.texts)
+    # the last arm's steering: an A/B pair's steered one (other endpoints have one arm)
+    await decide(state, job.call.experiment, job.call.endpoint, rid, job.arms[-1].info, job.texts)
     job.copies = copies(req)
     prompt_cap, scored_cap = budget(backend.max_model_len, backend.vocab_size)
     work = Budget(

@@ -1,11 +1,15 @@
 "use strict";
 /* /compare: one question, both arms of POST /v1/chat/completions/ab streamed side by side, what
-   was applied to each, tokens and latency, and the differences highlighted once both are done. */
+   was applied to each, tokens and latency, the differences highlighted once both are done, and
+   the pair judged (A better, B better, tie: POST /v1/steering/preference, one per pair). */
 (() => {
   const $ = (id) => document.getElementById(id);
   const { el, num } = steer;
   const ARMS = ["unsteered", "steered"];
   let artifacts = [];
+  let pair = null; // the id of the pair shown, once both answers are done
+  // who judges (the pairs' subject: one person's judgements move together); this page only
+  const judge = "compare-" + Array.from(crypto.getRandomValues(new Uint8Array(8)), (b) => b.toString(16).padStart(2, "0")).join("");
 
   async function load() {
     try {
@@ -123,6 +127,7 @@
     const s = st[chunk.arm];
     if (!s) return;
     if (chunk.steering && !s.applied) { s.applied = true; showApplied(chunk.arm, chunk.steering, chunk.id); }
+    if (chunk.id) s.id = chunk.id;
     if (chunk.usage) s.usage = chunk.usage;
     for (const c of chunk.choices || []) {
       if (c.index !== 0) continue;
@@ -167,6 +172,7 @@
       stream: true,
       stream_options: { include_usage: true },
       steering: steering(),
+      user: judge,
     };
     if ($("seed").value !== "") body.seed = Number($("seed").value);
     const st = {};
@@ -177,6 +183,9 @@
       pane(arm, ".stats").textContent = "";
     }
     $("identical").hidden = true;
+    $("judge").hidden = true;
+    $("judged").textContent = "";
+    pair = null;
     $("send").disabled = true;
     steer.status("generating both arms…");
     const t0 = performance.now();
@@ -192,6 +201,9 @@
       $("identical").hidden = a !== b;
       const marked = a !== b && highlight(a, b);
       steer.status(a === b || marked ? "done" : "done (too long to highlight the differences)");
+      pair = (st.unsteered.id || "").replace(/-a$/, "") || null;
+      $("judge").hidden = !pair;
+      for (const btn of $("judge").querySelectorAll("button")) btn.disabled = false;
     } catch (e) {
       steer.status(e.message, true);
     } finally {
@@ -199,6 +211,27 @@
     }
   }
 
+  /** The person's judgement of the pair shown: recorded once (the server refuses a second). */
+  async function prefer(choice) {
+    if (!pair) return;
+    const buttons = $("judge").querySelectorAll("button");
+    for (const btn of buttons) btn.disabled = true;
+    try {
+      const got = await steer.json("/v1/steering/preference", {
+        method: "POST", headers: { "content-type": "application/json" },
+        body: JSON.stringify({ id: pair, preference: choice }),
+      });
+      const words = { a: "A (unsteered) better", b: "B (steered) better", tie: "a tie" }[got.preference];
+      $("judged").textContent = `recorded: ${words} (pair ${got.id}, experiment ${got.experiment})`;
+      $("judged").className = "muted recorded";
+    } catch (e) {
+      $("judged").textContent = e.message;
+      $("judged").className = "error";
+      if (e.status >= 500) for (const btn of buttons) btn.disabled = false; // retryable
+    }
+  }
+
+  for (const btn of document.querySelectorAll("#judge button")) btn.addEventListener("click", () => prefer(btn.dataset.preference));
   $("steering").addEventListener("change", showMultipliers);
   $("ask").addEventListener("submit", send);
   $("message").addEventListener("keydown", (ev) => {

@@ -6,19 +6,29 @@ transaction and says which of its errors mean "unreachable, try again".
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from steerserve.server.ab.experiment import FeedbackLimit, StoreUnavailable
+from steerserve.server.ab.experiment import (
+    FeedbackLimit,
+    StoreUnavailable,
+    WrongKind,
+    cap_for,
+    check_kind,
+)
+from steerserve.server.ab.metrics import FEEDBACK as HUMAN
 from steerserve.server.ab.store import schema
 from steerserve.server.ab.store.schema import (
     COLUMNS,
     COMPONENT,
     DECISIONS,
+    EXPERIMENTS,
     FEEDBACK,
+    PHASES,
     REPLICAS,
     VERSIONS,
 )
@@ -27,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 #: Connections kept open for reuse (request threads and the writer take one each).
 POOL = 4
+#: Seconds between a writer's reports of itself (its queue) when it has nothing to write.
+HEARTBEAT_SECONDS = 2.0
+#: A replica that has not reported for this long is silent (perhaps cut off from the store,
+#: its records queued); past :data:`STALE_SECONDS` it is taken for gone (its queue, if it had
+#: one, is counted as unaccounted for in the report).
+SILENT_SECONDS = 3 * HEARTBEAT_SECONDS
+STALE_SECONDS = 60.0
+RUNNING, STOPPED, RECOVERED = "running", "stopped", "recovered"
 
 
 class StoreError(Exception):
@@ -40,6 +58,7 @@ class Store:
 
     scheme = ""
     serial = ""  # the auto-increment key type of the backend's SQL
+    for_update = ""  # how a SELECT locks the rows it reads until the transaction ends
 
     def __init__(self, url: str, shown: str) -> None:
         self.url = url  # may hold a password: never logged, never in a message
@@ -108,8 +127,8 @@ class Store:
                 raise
             conn.commit()
             ok = True
-        except (KeyError, FeedbackLimit):
-            ok = True  # refused, not broken: the connection is fine
+        except (KeyError, FeedbackLimit, WrongKind, LookupError, ValueError):
+            ok = True  # refused, not broken: the connection is fine (rolled back above)
             raise
         except Exception as e:
             if not self._is_db_error(e):
@@ -186,35 +205,38 @@ class Store:
     # --- writes -------------------------------------------------------------------------------
 
     def write(
-        self, records: Sequence[dict[str, Any]], replica: Replica, cap: int
-    ) -> list[dict[str, Any]]:
+        self, records: Sequence[dict[str, Any]], replica: Replica
+    ) -> tuple[list[dict[str, Any]], int]:
         """Decisions and feedback in one transaction, in order; a record written before (a
-        retry after a lost answer, a replayed spill) is not written twice. Feedback over the cap
-        or for an unknown id is refused: those records are returned (and counted as dropped in
-        the replica's row, written in the same transaction)."""
-        refused = []
+        retry after a lost answer, a replayed spill or write-ahead file) is not written twice.
+        Feedback over its cap, for an unknown id or of the wrong kind is refused: those records
+        are returned (and counted as dropped in the replica's row, written in the same
+        transaction) with how many records were new to the store."""
+        refused, new = [], 0
         with self._tx() as cur:
             for rec in records:
                 if rec.get("type") == "feedback":
                     try:
-                        self._feedback(cur, rec, cap, replica.name)
-                    except (KeyError, FeedbackLimit):
+                        new += self._feedback(cur, rec, replica.name)[1]
+                    except (KeyError, FeedbackLimit, WrongKind):
                         refused.append(rec)
                 else:
-                    self._decision(cur, rec, replica.name)
-            replica.report(cur, len(records) - len(refused), replica.drops + len(refused))
-        return refused
+                    new += self._decision(cur, rec, replica.name)
+            replica.report(cur, new, replica.drops + len(refused))
+        return refused, new
 
-    def feedback(self, rec: dict[str, Any], replica: Replica, cap: int) -> dict[str, Any]:
+    def feedback(self, rec: dict[str, Any], replica: Replica) -> dict[str, Any]:
         """One score, now: the decision's (experiment, arm, language). ``KeyError``: no such
-        decision in the store; :class:`FeedbackLimit`: ``cap`` scores already, from any replica
-        (the decision's row is locked while counting, so two replicas cannot both pass)."""
+        decision in the store; :class:`FeedbackLimit`: its cap reached already, from any
+        replica; :class:`WrongKind`: a preference for an answer that is not a pair, or a score
+        for a pair."""
         with self._tx() as cur:
-            known = self._feedback(cur, rec, cap, replica.name)
-            replica.report(cur, 1, 0)
+            known, new = self._feedback(cur, rec, replica.name)
+            replica.report(cur, int(new), 0)
         return known
 
-    def _decision(self, cur: _Cursor, rec: dict[str, Any], replica: str) -> None:
+    def _decision(self, cur: _Cursor, rec: dict[str, Any], replica: str) -> int:
+        """Insert one decision; 1 when it is new, 0 when the store had it (a replayed record)."""
         values = [schema.column(k, rec.get(k)) for k in COLUMNS]
         extra = {k: v for k, v in rec.items() if k not in COLUMNS and k not in ("type", "id")}
         cols = ", ".join(COLUMNS)
@@ -224,42 +246,57 @@ class Store:
             "ON CONFLICT (id) DO NOTHING",
             (str(rec["id"]), *values, schema.to_json(extra) if extra else None, replica),
         )
+        return 1 if cur.rowcount == 1 else 0
 
     def _feedback(
-        self, cur: _Cursor, rec: dict[str, Any], cap: int, replica: str
-    ) -> dict[str, Any]:
-        rid = str(rec["id"])
-        cur.execute(f"SELECT 1 FROM {FEEDBACK} WHERE fid = ?", (rec["fid"],))
-        if cur.fetchone() is not None:  # this very score is in already (a retried write)
-            cur.execute(f"SELECT experiment, arm, language FROM {DECISIONS} WHERE id = ?", (rid,))
-            return schema.known(cur.fetchone())
+        self, cur: _Cursor, rec: dict[str, Any], replica: str
+    ) -> tuple[dict[str, Any], bool]:
+        """One feedback row, counted against its decision's cap: (the decision's experiment,
+        arm and language, whether it was new). The decision's row is read and locked by one
+        statement (``for_update``) before anything is decided: under PostgreSQL's READ
+        COMMITTED each statement sees what was committed before it, so deciding from two
+        statements (an UPDATE that found no row, then a SELECT that found it, committed in
+        between by another replica) called a first score over the cap."""
+        rid, metric = str(rec["id"]), rec.get("metric") or HUMAN
         cur.execute(
-            f"UPDATE {DECISIONS} SET feedback_count = feedback_count + 1 "
-            "WHERE id = ? AND feedback_count < ? RETURNING experiment, arm, language",
-            (rid, cap),
+            f"SELECT experiment, arm, language, feedback_count FROM {DECISIONS} WHERE id = ?"
+            + self.for_update,
+            (rid,),
         )
         row = cur.fetchone()
         if row is None:
-            cur.execute(f"SELECT 1 FROM {DECISIONS} WHERE id = ?", (rid,))
-            raise KeyError(rid) if cur.fetchone() is None else FeedbackLimit(rid)
-        metric = rec.get("metric")
+            raise KeyError(rid)
+        cur.execute(f"SELECT 1 FROM {FEEDBACK} WHERE fid = ?", (rec["fid"],))
+        if cur.fetchone() is not None:  # this very score is in already (a retried write)
+            return schema.known(row), False
+        check_kind(rid, row[1], metric)
+        if int(row[3]) >= cap_for(metric):
+            raise FeedbackLimit(rid)
+        cur.execute(
+            f"UPDATE {DECISIONS} SET feedback_count = feedback_count + 1 WHERE id = ?", (rid,)
+        )
         cur.execute(
             f"INSERT INTO {FEEDBACK} (fid, id, ts, score, replica, metric) "
             "VALUES (?, ?, ?, ?, ?, ?)",
-            (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica, metric),
+            (rec["fid"], rid, float(rec["ts"]), float(rec["score"]), replica, rec.get("metric")),
         )
-        return schema.known(row)
+        return schema.known(row), True
 
     # --- reads --------------------------------------------------------------------------------
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """Every decision, then every feedback in the order the store took them: the records a
-        JSONL decision log of all the replicas would hold (``ab_report`` joins them)."""
+        """The experiments and their phases, every decision, then every feedback in the order
+        the store took them: the records a JSONL decision log of all the replicas would hold
+        (``ab_report`` joins them). A store of an older schema reads as it was written."""
         with self._tx() as cur:
-            cur.execute(f"SELECT id, {', '.join(COLUMNS)}, extra FROM {DECISIONS} ORDER BY ts, id")
+            version = self._version(cur)
+            cols = [k if schema.SINCE.get(k, 0) <= version else "NULL" for k in COLUMNS]
+            cur.execute(f"SELECT id, {', '.join(cols)}, extra FROM {DECISIONS} ORDER BY ts, id")
             decisions = cur.fetchall()
             cur.execute(f"SELECT id, ts, score, metric FROM {FEEDBACK} ORDER BY seq")
             feedback = cur.fetchall()
+            registry = read_registry(cur) if version >= 3 else []
+        yield from registry
         for row in decisions:
             yield schema.record(row)
         for rid, ts, score, metric in feedback:
@@ -284,32 +321,112 @@ class Store:
             r["prompt"], r["reply"] = schema.from_json(r["prompt"]), schema.from_json(r["reply"])
         return out
 
-    def stamp(self) -> tuple[int, int, int]:
-        """Changes whenever a record or a replica's drop count does: a report cache's key."""
+    def stamp(self) -> tuple[float, ...]:
+        """Changes whenever a record, an experiment's record or a replica's counts do: a
+        report cache's key."""
         with self._tx() as cur:
+            registry = self._version(cur) >= 3
             cur.execute(
                 f"SELECT (SELECT count(*) FROM {DECISIONS}), "
                 f"(SELECT coalesce(max(seq), 0) FROM {FEEDBACK}), "
-                f"(SELECT coalesce(sum(dropped), 0) FROM {REPLICAS})"
+                f"(SELECT coalesce(sum(dropped), 0) FROM {REPLICAS}), "
+                f"(SELECT coalesce(sum(queued), 0) FROM {REPLICAS})"
+                + (
+                    f", (SELECT coalesce(max(updated), 0) FROM {EXPERIMENTS})"
+                    f", (SELECT count(*) FROM {PHASES})"
+                    if registry
+                    else ""
+                )
             )
-            a, b, c = cur.fetchone()
-        return int(a), int(b), int(c)
+            row = cur.fetchone()
+        return tuple(float(x) for x in row)
 
-    def status(self) -> dict[str, Any]:
-        """What the replicas said of themselves at their last write: records written, records
-        queued then, records dropped (never in the store)."""
+    def replicas(self) -> list[dict[str, Any]]:
+        """Each replica's row: what it said of itself at its last write or heartbeat."""
         with self._tx() as cur:
-            cur.execute(f"SELECT replica, seen, written, queued, dropped FROM {REPLICAS}")
+            has_status = self._version(cur) >= 3
+            status = "status" if has_status else "NULL"
+            cur.execute(f"SELECT replica, seen, written, queued, dropped, {status} FROM {REPLICAS}")
             rows = cur.fetchall()
-        keys = ("replica", "seen", "written", "queued", "dropped")
-        replicas = [dict(zip(keys, row, strict=True)) for row in rows]
+        keys = ("replica", "seen", "written", "queued", "dropped", "status")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        """What the replicas said of themselves: records written, records queued at their last
+        report, records dropped (never in the store), and the records of replicas gone silent
+        with a queue (``unaccounted``: lost unless their write-ahead file is replayed)."""
+        import time
+
+        now = time.time() if now is None else now
+        replicas = self.replicas()
+        gone = [
+            r
+            for r in replicas
+            if int(r["queued"]) > 0
+            and r["status"] not in (STOPPED, RECOVERED)
+            and now - float(r["seen"] or 0) > STALE_SECONDS
+        ]
         return {
             "url": self.shown,
             "replicas": len(replicas),
             "written": sum(int(r["written"]) for r in replicas),
             "queued": sum(int(r["queued"]) for r in replicas),
             "dropped": sum(int(r["dropped"]) for r in replicas),
+            "unaccounted": sum(int(r["queued"]) for r in gone),
+            "unaccounted_replicas": sorted(str(r["replica"]) for r in gone),
         }
+
+    def backlog(self, me: str, now: float | None = None) -> list[str]:
+        """The other replicas that may hold records not in the store yet: those reporting a
+        queue, and those gone silent lately (cut off from the store, their records queued
+        there), but not those stopped or silent for :data:`STALE_SECONDS`."""
+        import time
+
+        now = time.time() if now is None else now
+        out = []
+        for r in self.replicas():
+            age = now - float(r["seen"] or 0)
+            if r["replica"] == me or r["status"] in (STOPPED, RECOVERED) or age > STALE_SECONDS:
+                continue
+            if int(r["queued"]) > 0 or age > SILENT_SECONDS:
+                out.append(str(r["replica"]))
+        return out
+
+    def recovered(self, name: str) -> None:
+        """Another process replayed ``name``'s queue (its write-ahead file): it holds none."""
+        with self._tx() as cur:
+            cur.execute(
+                f"UPDATE {REPLICAS} SET queued = 0, status = ? WHERE replica = ?",
+                (RECOVERED, name),
+            )
+
+
+def read_registry(cur: _Cursor) -> list[dict[str, Any]]:
+    """Every experiment's status record and phase records, as a decision log holds them."""
+    cur.execute(f"SELECT name, status, note, phase, updated FROM {EXPERIMENTS} ORDER BY name")
+    out: list[dict[str, Any]] = [
+        {"type": "experiment", "experiment": n, "status": s, "note": note, "phase": p, "ts": ts}
+        for n, s, note, p, ts in cur.fetchall()
+    ]
+    cur.execute(
+        f"SELECT experiment, phase, arms, control, allocation, started, ended, why FROM {PHASES} "
+        "ORDER BY experiment, phase"
+    )
+    for exp, phase, arms, control, allocation, started, ended, why in cur.fetchall():
+        out.append(
+            {
+                "type": "phase",
+                "experiment": exp,
+                "phase": int(phase),
+                "arms": json.loads(arms),
+                "control": control,
+                "allocation": json.loads(allocation),
+                "started": started,
+                "ended": ended,
+                "why": why,
+            }
+        )
+    return out
 
 
 class Replica:
@@ -323,17 +440,20 @@ class Replica:
         self.started = started
         self.queued = 0
         self.drops = 0
+        self.status = RUNNING
 
     def report(self, cur: _Cursor, written: int, dropped: int) -> None:
-        """Add ``written`` and ``dropped`` to this replica's row (inside the write's transaction)."""
+        """Add ``written`` and ``dropped`` to this replica's row (inside the write's
+        transaction), with its queue and status now."""
         import time
 
         cur.execute(
-            f"INSERT INTO {REPLICAS} (replica, started, seen, written, queued, dropped) "
-            f"VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (replica) DO UPDATE SET "
+            f"INSERT INTO {REPLICAS} (replica, started, seen, written, queued, dropped, status) "
+            f"VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (replica) DO UPDATE SET "
             f"seen = excluded.seen, written = {REPLICAS}.written + excluded.written, "
-            f"queued = excluded.queued, dropped = {REPLICAS}.dropped + excluded.dropped",
-            (self.name, self.started, time.time(), written, self.queued, dropped),
+            f"queued = excluded.queued, dropped = {REPLICAS}.dropped + excluded.dropped, "
+            "status = excluded.status",
+            (self.name, self.started, time.time(), written, self.queued, dropped, self.status),
         )
 
 
@@ -351,6 +471,10 @@ class _Cursor:
 
     def fetchall(self) -> list[Any]:
         return list(self._cur.fetchall())
+
+    @property
+    def rowcount(self) -> int:
+        return int(self._cur.rowcount)
 
 
 def _rollback(conn: Any) -> None:

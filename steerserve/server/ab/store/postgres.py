@@ -22,6 +22,7 @@ MIGRATION_LOCK = 0x5733_AB00
 class PostgresStore(Store):
     scheme = "postgresql"
     serial = "BIGINT GENERATED ALWAYS AS IDENTITY"
+    for_update = " FOR UPDATE"  # the row stays locked until commit: replicas take turns on it
 
     def __init__(self, url: str, shown: str) -> None:
         super().__init__(url, shown)

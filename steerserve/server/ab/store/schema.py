@@ -11,6 +11,8 @@ from typing import Any
 DECISIONS = "steerserve_ab_decisions"
 FEEDBACK = "steerserve_ab_feedback"
 REPLICAS = "steerserve_ab_replicas"
+EXPERIMENTS = "steerserve_ab_experiments"
+PHASES = "steerserve_ab_phases"
 VERSIONS = "steerserve_schema"
 COMPONENT = "ab_store"
 #: A decision's fields kept as columns (``vectors``, ``prompt`` and ``reply`` as JSON text); any
@@ -31,9 +33,18 @@ COLUMNS = (
     "completion_tokens",
     "prompt",
     "reply",
+    "phase",
 )
 JSON_COLUMNS = ("vectors", "prompt", "reply")
-NUMBERS = {"ts": float, "latency_ms": float, "prompt_tokens": int, "completion_tokens": int}
+NUMBERS = {
+    "ts": float,
+    "latency_ms": float,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "phase": int,
+}
+#: The schema version that added each column (a reader of an older store reads NULL for it).
+SINCE = {"phase": 3}
 
 #: The schema, one list of statements per version, applied in order by :meth:`Store.migrate`
 #: (``{serial}``: the backend's auto-increment key). Never edit a released version: add one.
@@ -64,6 +75,23 @@ MIGRATIONS: list[list[str]] = [
     ],
     # 2: feedback names its metric (NULL: the human score, ``feedback``, as before)
     [f"ALTER TABLE {FEEDBACK} ADD COLUMN metric TEXT"],
+    # 3: experiments as records (arms, status, phases), each decision's phase, and what a
+    # replica says of itself beyond its counts (running, stopped, recovered by another)
+    [
+        f"ALTER TABLE {DECISIONS} ADD COLUMN phase INTEGER",
+        f"ALTER TABLE {REPLICAS} ADD COLUMN status TEXT",
+        f"""CREATE TABLE {EXPERIMENTS} (
+            name TEXT PRIMARY KEY,
+            arms TEXT NOT NULL, control TEXT NOT NULL, status TEXT NOT NULL, note TEXT,
+            flags TEXT, phase INTEGER NOT NULL,
+            created DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL)""",
+        f"""CREATE TABLE {PHASES} (
+            experiment TEXT NOT NULL REFERENCES {EXPERIMENTS} (name),
+            phase INTEGER NOT NULL,
+            arms TEXT NOT NULL, control TEXT NOT NULL, allocation TEXT NOT NULL,
+            started DOUBLE PRECISION NOT NULL, ended DOUBLE PRECISION, why TEXT, by_replica TEXT,
+            PRIMARY KEY (experiment, phase))""",
+    ],
 ]
 
 

@@ -18,6 +18,7 @@ BUSY_SECONDS = 2.0
 class SQLiteStore(Store):
     scheme = "sqlite"
     serial = "INTEGER"  # an INTEGER PRIMARY KEY is the rowid: increasing, never reused here
+    for_update = ""  # BEGIN IMMEDIATE holds the database's write lock for the transaction
 
     def __init__(self, url: str, path: Path, busy_seconds: float = BUSY_SECONDS) -> None:
         super().__init__(url, url)  # no secrets in a file URL

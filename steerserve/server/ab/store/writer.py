@@ -1,8 +1,14 @@
-"""Records to the experiment store off the request path: a request only appends to a bounded
-in-memory queue (no I/O); one thread writes the queue in order, in batches, and retries while
-the store is unreachable. What cannot wait is counted, never silent: a full queue drops the new
-record (``steerserve_ab_store_dropped_total``, logged once per outage). At shutdown the queue is
-drained for a bounded time and what is left is kept in a spill file, written at the next start.
+"""Records to the experiment store off the request path: a request appends its record to a
+bounded in-memory queue and to this process's write-ahead file (one ``write(2)``, no wait for
+the disk); one thread writes the queue in order, in batches, and retries while the store is
+unreachable. What cannot wait is counted, never silent: a full queue drops the new record
+(``steerserve_ab_store_dropped_total``, logged once per outage). At shutdown the queue is drained
+for a bounded time and what is left is kept in a spill file, written at the next start.
+
+The write-ahead file (``wal.py``) is what a crash leaves: a killed process (``kill -9``, the OOM
+killer) loses nothing, as the kernel holds what ``write(2)`` took; the next process that opens
+the folder replays it. Records still in it that reached the store before the crash are not
+written twice (decisions by id, feedback by its own id).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from steerserve.server.ab.experiment import MAX_FEEDBACK_PER_ID, StoreUnavailable
-from steerserve.server.ab.store.base import Replica, Store, StoreError
+from steerserve.server.ab.experiment import StoreUnavailable
+from steerserve.server.ab.store import wal
+from steerserve.server.ab.store.base import HEARTBEAT_SECONDS, STOPPED, Replica, Store, StoreError
 
 if TYPE_CHECKING:
     from steerserve.server.metrics import Metrics
@@ -43,6 +50,9 @@ BACKOFF = (0.05, 2.0)  # seconds between retries: first, most
 FEEDBACK_GRACE_SECONDS = 1.0
 DRAIN_SECONDS = 5.0  # at shutdown, how long the queue may drain before the rest is spilled
 SPILL_PREFIX = "ab-spill-"
+#: Seconds between the writer's flushes of the write-ahead file to the disk (a machine's crash,
+#: not a process's, loses at most the decisions appended since; feedback waits for its flush).
+WAL_SYNC_SECONDS = 1.0
 
 
 _writers = itertools.count(1)
@@ -81,26 +91,37 @@ class Writer:
         self._queue: deque[dict[str, Any]] = deque()
         self._pending: Counter[str] = Counter()  # id -> its records still queued
         self._done = 0  # records taken off the queue: written, refused or dropped
-        self._replays: list[tuple[Path, int]] = []  # a claimed spill file, done once _done >= n
+        self._enqueued = 0  # records ever queued (the index a write-ahead segment ends at)
+        self._replays: list[tuple[wal.Claimed, int]] = []  # a claimed file, done once _done >= n
         self._cond = threading.Condition()
         self._closing = False
         self._stop = False
         self._warned_drop = False
         self._new_drops = 0  # dropped since the writer last took them for the store's row
+        self._reported = 0.0  # when the replica's row was last written
+        self._synced = 0.0  # when the write-ahead file was last flushed to the disk
         self._set_up(True)
         self._load_spills()
+        self.wal = None if spill_dir is None else wal.Wal(spill_dir, self._key(), self.replica.name)
         self._thread = threading.Thread(target=self._run, name="ab-store-writer", daemon=True)
         self._thread.start()
 
     # --- the request side ---------------------------------------------------------------------
 
-    def put(self, rec: dict[str, Any]) -> bool:
-        """Queue one record (a dict append under a lock: no I/O); False when it was dropped."""
+    def put(self, rec: dict[str, Any], sync: bool = False) -> bool:
+        """Queue one record and append it to the write-ahead file (one write(2) under the lock,
+        no wait for the disk unless ``sync``: then it is on the disk when this returns); False
+        when it was dropped."""
         with self._cond:
             if self._closing or len(self._queue) >= self.max_queued:
                 self._count_drop(1, "the queue is full" if not self._closing else "closing")
                 return False
             self._queue.append(rec)
+            self._enqueued += 1
+            if self.wal is not None:
+                self.wal.append(rec, self._enqueued)
+                if sync:
+                    self.wal.sync()
             self._pending[str(rec["id"])] += 1
             self._gauge()
             if len(self._queue) in (1, BATCH):  # the writer waits for the first, or a batch
@@ -120,7 +141,7 @@ class Writer:
         retried = False
         while True:
             try:
-                known = self.store.feedback(rec, self.replica, MAX_FEEDBACK_PER_ID)
+                known = self.store.feedback(rec, self.replica)
             except StoreUnavailable:
                 if retried:
                     raise
@@ -144,9 +165,13 @@ class Writer:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue, timeout)
 
+    def backlog(self) -> list[str]:
+        """The other replicas that may still hold records the store lacks (``Store.backlog``)."""
+        return self.store.backlog(self.replica.name)
+
     def close(self, timeout: float = DRAIN_SECONDS) -> None:
         """Drain the queue for up to ``timeout`` seconds, then keep the rest in a spill file
-        (counted as dropped where it cannot be written) and close the store."""
+        (where that fails, the write-ahead file keeps them) and close the store."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -160,9 +185,25 @@ class Writer:
             self._queue.clear()
             self._pending.clear()
             self._gauge()
-        if rest:
-            self._spill(rest)
+        kept = self._spill(rest) if rest else True
+        if self.wal is not None:
+            self.wal.close(delete=kept)
+        if kept:
+            for claimed, _ in self._replays:
+                wal.done(claimed)
+            self._replays = []
+        if not rest:
+            self._stopped()
         self.store.close()
+
+    def _stopped(self) -> None:
+        """Say in the replica's row that this process stopped with nothing queued (it then
+        counts in no replica's backlog)."""
+        self.replica.status, self.replica.queued = STOPPED, 0
+        try:
+            self._report()
+        except (StoreUnavailable, StoreError):
+            pass  # the store is gone: its row goes stale, which the backlog check allows for
 
     # --- the writer thread --------------------------------------------------------------------
 
@@ -171,7 +212,8 @@ class Writer:
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
-                    self._cond.wait()
+                    if not self._cond.wait(min(HEARTBEAT_SECONDS, WAL_SYNC_SECONDS)):
+                        self._idle()
                 if not self._closing and len(self._queue) < BATCH:
                     self._cond.wait(LINGER_SECONDS)  # let a batch gather (ends early when full)
                 if self._stop or not self._queue:
@@ -191,29 +233,61 @@ class Writer:
                 continue
             backoff = BACKOFF[0]
             self._set_up(True)
-            self._taken(batch, refused)
+            self._taken(batch, *refused)
 
-    def _write(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _idle(self) -> None:
+        """Called under the lock while nothing is queued: the write-ahead file to the disk, and
+        the replica's row refreshed now and then (so other replicas know it is alive)."""
+        if self.wal is not None:
+            self.wal.sync()
+            self._synced = time.monotonic()
+        if time.monotonic() - self._reported >= HEARTBEAT_SECONDS:
+            self.replica.queued = 0
+            try:
+                self._report()
+                self._set_up(True)
+            except StoreUnavailable as e:
+                self._set_up(False, str(e))
+            except StoreError:
+                pass
+
+    def _report(self) -> None:
+        """The replica's row alone (a heartbeat)."""
+        with self.store._tx() as cur:
+            self.replica.report(cur, 0, self.replica.drops)
+        self.replica.drops = 0
+        self._reported = time.monotonic()
+
+    def _write(self, batch: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
         """The batch in one transaction; when the store refuses it (a bad record), each record
-        alone, so one bad record costs only itself."""
+        alone, so one bad record costs only itself. (Refused records, records new to the
+        store.)"""
+        if self.wal is not None and time.monotonic() - self._synced >= WAL_SYNC_SECONDS:
+            self.wal.sync()  # busy, never idle: still to the disk every second
+            self._synced = time.monotonic()
         try:
-            refused = self.store.write(batch, self.replica, MAX_FEEDBACK_PER_ID)
+            refused, new = self.store.write(batch, self.replica)
             self.replica.drops = 0  # in the store's row now
-            return refused
+            self._reported = time.monotonic()
+            return refused, new
         except StoreError as e:
             logger.error("experiment store refused a batch (%s); writing its records one by one", e)
-        refused = []
+        refused, new = [], 0
         for rec in batch:
             try:
-                refused += self.store.write([rec], self.replica, MAX_FEEDBACK_PER_ID)
+                got, n = self.store.write([rec], self.replica)
+                refused += got
+                new += n
                 self.replica.drops = 0
             except StoreError as e:
                 logger.error("experiment store refused record %s: %s", rec.get("id"), e)
                 self.replica.drops += 1
                 refused.append(rec)
-        return refused
+        return refused, new
 
-    def _taken(self, batch: list[dict[str, Any]], refused: list[dict[str, Any]]) -> None:
+    def _taken(
+        self, batch: list[dict[str, Any]], refused: list[dict[str, Any]], new: int = 0
+    ) -> None:
         """``batch`` is off the queue: written, or refused by the store (counted as dropped)."""
         with self._cond:
             for _ in batch:
@@ -225,13 +299,20 @@ class Writer:
                 if self._pending[rid] <= 0:
                     del self._pending[rid]
             self._done += len(batch)
-            self.written += len(batch) - len(refused)
+            self.written += new
             self.dropped += len(refused)
-            self._unlink_replayed()
+            finished = self._unlink_replayed()
+            if self.wal is not None:
+                self.wal.release(self._done)
             self._gauge()
             self._cond.notify_all()
+        for name in finished:  # a dead replica's queue is in the store now: its row says so
+            try:
+                self.store.recovered(name)
+            except (StoreUnavailable, StoreError):
+                pass
         if self.metrics is not None:
-            self.metrics.ab_store_written.inc(len(batch) - len(refused))
+            self.metrics.ab_store_written.inc(new)
             self.metrics.ab_store_dropped.inc(len(refused))
         for rec in refused:
             logger.warning(
@@ -283,32 +364,40 @@ class Writer:
 
     # --- spill files: the queue across a restart ----------------------------------------------
 
-    def _spill_name(self) -> str:
-        key = hashlib.sha256(self.store.shown.encode()).hexdigest()[:12]
-        return f"{SPILL_PREFIX}{key}-"
+    def _key(self) -> str:
+        return hashlib.sha256(self.store.shown.encode()).hexdigest()[:12]
 
-    def _spill(self, records: list[dict[str, Any]]) -> None:
-        """Keep ``records`` (not yet in the store) for the next start, or count them dropped."""
+    def _spill_name(self) -> str:
+        return f"{SPILL_PREFIX}{self._key()}-"
+
+    def _spill(self, records: list[dict[str, Any]]) -> bool:
+        """Keep ``records`` (not yet in the store) for the next start; False when that failed
+        (the write-ahead file still holds them; with none they are counted as dropped)."""
         if self.spill_dir is None:
             with self._cond:
                 self._count_drop(len(records), "no spill folder at shutdown")
-            return
+            return True
         name = f"{self._spill_name()}{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.jsonl"
         path = self.spill_dir / name
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"type": "spill", "replica": self.replica.name}) + "\n")
                 for rec in records:
                     f.write(json.dumps(rec, ensure_ascii=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             tmp.rename(path)
         except OSError as e:
-            logger.error("experiment store: cannot keep %d queued records: %s", len(records), e)
-            with self._cond:
-                self._count_drop(len(records), f"the spill file failed: {e}")
-            return
+            logger.error(
+                "experiment store: cannot keep %d queued records in a spill file (%s); the "
+                "write-ahead file in %s keeps them",
+                len(records),
+                e,
+                self.spill_dir,
+            )
+            return False
         logger.warning(
             "experiment store %s unreachable at shutdown: %d records kept in %s, written at the "
             "next start",
@@ -316,56 +405,37 @@ class Writer:
             len(records),
             path,
         )
+        return True
 
     def _load_spills(self) -> None:
-        """Claim the spill files of this store (a rename: two processes never take the same
-        one, and one whose claimer died on this host is taken again) and queue their records
-        first; a file is deleted once its records are written."""
-        if self.spill_dir is None or not self.spill_dir.is_dir():
-            return
-        host, loaded = socket.gethostname(), 0
-        for path in sorted(self.spill_dir.glob(f"{self._spill_name()}*")):
-            if not _claimable(path, host):
-                continue
-            base = path.name.split(".jsonl")[0] + ".jsonl"
-            claimed = path.with_name(f"{base}.replaying-{host}-{os.getpid()}")
-            try:
-                path.rename(claimed)
-                lines = claimed.read_text(encoding="utf-8").splitlines()
-            except OSError:
-                continue  # another process claimed it first
-            for line in lines:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    self._count_drop(1, "an unreadable line in a spill file")
-                    continue
+        """Claim the files of this store that no live process holds (spill files of a clean
+        stop, the write-ahead files of a process that died) and queue their records first; a
+        file is deleted once its records are written. A line a crash tore is counted as
+        dropped (in this replica's row: the report says so)."""
+        prefixes = (self._spill_name(), f"{wal.WAL_PREFIX}{self._key()}-")
+        loaded = 0
+        for claimed in wal.claim(self.spill_dir, prefixes):
+            if claimed.unreadable:
+                self._count_drop(claimed.unreadable, "unreadable lines in a file left by a crash")
+            for rec in claimed.records:
                 self._queue.append(rec)
                 self._pending[str(rec.get("id"))] += 1
                 loaded += 1
+            self._enqueued = len(self._queue)
             self._replays.append((claimed, len(self._queue)))
         if loaded:
-            logger.info("experiment store: %d records kept at the last stop queued", loaded)
+            logger.info(
+                "experiment store: %d records a stopped or killed process left queued", loaded
+            )
             self._gauge()
 
-    def _unlink_replayed(self) -> None:
+    def _unlink_replayed(self) -> list[str]:
+        """Delete the claimed files whose records are all written; the replicas they came from
+        (their rows then say recovered)."""
+        names = []
         while self._replays and self._done >= self._replays[0][1]:
-            path, _ = self._replays.pop(0)
-            path.unlink(missing_ok=True)
-
-
-def _claimable(path: Path, host: str) -> bool:
-    """A finished spill file, or one claimed by a process of this host that is gone."""
-    name = path.name
-    if name.endswith(".jsonl"):
-        return True
-    marker = f".replaying-{host}-"
-    if marker not in name:
-        return False
-    try:
-        os.kill(int(name.rsplit("-", 1)[1]), 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, PermissionError):
-        return False
-    return False
+            claimed, _ = self._replays.pop(0)
+            wal.done(claimed)
+            if claimed.replica and claimed.replica != self.replica.name:
+                names.append(claimed.replica)
+        return names
