@@ -166,6 +166,9 @@ def experiment_report(
         ph, got = recorded.get(number), by_phase.get(number, [])
         if ph is not None:
             arms, control, allocation = ph.design.names, ph.design.control, ph.allocation
+        elif recorded:  # rows whose phase is not recorded: the experiment's arms, no allocation
+            last = recorded[max(recorded)].design
+            arms, control, allocation = last.names, last.control, None
         else:
             arms, control = _seen_arms(got)
             allocation = _split(arms, control, split)
@@ -204,8 +207,8 @@ def _seen_arms(rows: Sequence[Row]) -> tuple[tuple[str, ...], str]:
     """The arms of rows with no recorded phase: the two-arm shorthand's when they are those,
     else the arms seen (the control ``unsteered`` where there is one, else the first)."""
     seen = sorted({r.arm for r in rows if r.arm})
-    if set(seen) <= set(ARMS):
-        return ARMS, UNSTEERED
+    if set(seen) <= set(ARMS) or len(seen) < 2:
+        return tuple(dict.fromkeys([*ARMS, *seen])), UNSTEERED
     control = UNSTEERED if UNSTEERED in seen else seen[0]
     return tuple(seen), control
 
