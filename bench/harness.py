@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The CPU flags that decide vLLM's CPU kernels.
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 PROMPTS = (
-    "The capital of France is", "フランスの首都は", "La capitale de l'Italie est", "독일의 수도는",
-    "El idioma oficial de Brasil es", "中国的首都是", "The currency of Japan is the",
-    "Die Hauptstadt von Spanien ist",
+    "The capital of France is", "フランスの首都は", "La capitale de l'Italie est",
+    "독일의 수도는", "El idioma oficial de Brasil es", "中国的首都是",
+    "The currency of Japan is the", "Die Hauptstadt von Spanien ist",
 )  # fmt: skip
 
 

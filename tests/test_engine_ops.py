@@ -71,16 +71,15 @@ def test_every_copy_derives_from_the_registry():
         assert {f.name for f in dataclasses.fields(cls)} & fields == set(), cls
         assert dataclasses.fields(cls)[1].type in ("SteeringEntry", SteeringEntry)
     v = {"v": torch.ones(H)}
-    for name in OPS:
-        Edit.of("e", 1, name, torch.ones(H))  # every op is a research edit
+    for name in OPS:  # every op is a research edit
+        Edit("e", SteeringEntry("v", 1, 1.0, "all", name), torch.ones(H))
     with pytest.raises(ValueError, match="unknown op"):
-        Edit.of("e", 1, "rotate", torch.ones(H))
+        Edit("e", SteeringEntry("v", 1, 1.0, "all", "rotate"), torch.ones(H))
     for pos, phases in POSITIONS.items():
         for name in engine_ops():
             (e,) = entry_edits([SteeringEntry("v", 1, 0.5, pos, name)], v)
             assert (e.entry.op, e.entry.scale) == (name, 0.5)
             assert e.phases == set(phases), (pos, name)
-    assert Edit.of("e", 1, "add", torch.ones(H)).phases == {spec.PHASE_LAST_PROMPT}
 
 
 class _Block(torch.nn.Module):

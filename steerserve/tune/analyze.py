@@ -1,15 +1,7 @@
 """Diagnosis: logit lens at the last prompt token and the recall / conversion failure split.
 
-The hypothesis is mechanistic: a non-English query is answered by an English-centric recall path
-in the middle layers and converted into the query language late. For every prompt we
-project the residual stream at the last prompt token through the final norm and unembedding
-(softcapping included) at the embeddings and after every block, and follow the rank and
-probability of the *first token* of the English answer and of the query-language answer, as the
-model would emit it after the prompt (the separator included: " Paris", or "巴黎" after "："; for a
-chat, the first token of the reply), and of the Chinese answer where the record has one (the
-other likely pivot of a multilingual model). A wrong non-English greedy answer is a **conversion failure** when the English answer reached
-rank <= ``threshold`` somewhere in the layer ``window``, else a **recall failure**. The same runs
-with the artifact's interventions (transformers hooks, positions respected) show what each moves.
+A wrong non-English answer is a conversion failure when the English answer's first token reached
+rank <= ``threshold`` in the layer ``window`` (the model knew it, in English), else a recall one.
 """
 
 from __future__ import annotations
@@ -80,13 +72,8 @@ class Item:
 
 
 def first_tokens(tokenizer: Any, prompt: str | None, sep: str, answers: Sequence[str]) -> list[int]:
-    """The first token the model would emit for each answer after ``prompt`` (deduplicated).
-
-    The answer is tokenised in context (prompt + sep + answer) so the separator merges as in
-    generation; ``prompt`` None (a chat, whose reply starts after the template's assistant
-    header, where no merge crosses) tokenises ``sep + answer`` alone. A first token that is only
-    whitespace ("▁" before a rare word) says nothing about the answer and is dropped.
-    """
+    """Each answer's first token after ``prompt``, tokenised in context so the separator merges as
+    in generation (``prompt`` None: a chat reply); a whitespace-only token says nothing, dropped."""
     p_ids = tokenizer(prompt)["input_ids"] if prompt is not None else None
     out: list[int] = []
     for a in answers:
@@ -154,9 +141,8 @@ def lens_and_greedy(
     entries: Sequence[Any] = (),
     vectors: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
-    """Last-prompt-token residuals ``[B, L + 1, H]`` (embeddings, then each block's output,
-    steering included) and the greedy continuations (KV cache, stopped at a newline); prompts
-    are text or token ids."""
+    """Last-prompt-token residuals ``[B, L + 1, H]`` (embeddings, then every block, steered) and
+    the greedy continuations to a newline; prompts are text or token ids."""
     dev = device_of(model)
     ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
     batch = left_padded(ids, tokenizer.pad_token_id)
@@ -286,11 +272,8 @@ def run(
 def sample(
     records: Sequence[dict], n: int, langs: Sequence[str] | None = None, seed: int = 0
 ) -> list[dict]:
-    """A seeded random ``n`` records per language (0: all), kept in file order.
-
-    The built-in facts are ordered by prominence, so the first N would be the easiest; the same
-    positions are drawn for every language of equal size, so translations stay aligned.
-    """
+    """A seeded random ``n`` records per language (0: all), in file order: the facts are ordered
+    by prominence, so the first N would be the easiest; the same positions in every language."""
     import random
 
     by: dict[str, list[dict]] = {}

@@ -1,6 +1,6 @@
-"""The diagnosis report: per arm, per language and pooled summaries of the lens and the failure
-split, what each steered arm changes against the unsteered one, computed findings, tables and
-figures (``analyze.py`` runs the forward passes)."""
+"""The diagnosis report: per arm and language, the lens and the failure split, what each steered
+arm changes against unsteered, computed findings, tables and figures.
+"""
 
 from __future__ import annotations
 
@@ -178,11 +178,8 @@ def pivot_window(num_layers: int) -> tuple[int, int]:
 
 
 def pivot(items: Sequence[Item], num_layers: int) -> dict[str, Any]:
-    """Per query language: is the English or the Chinese answer ahead in the middle blocks?
-
-    Over :func:`pivot_window`, the mean of the per-block shares of items whose Chinese answer
-    outranks the English one (first tokens differing), and the medians of each answer's rank.
-    ``pivot`` is ``zh`` when that mean exceeds one half, ``en`` when below."""
+    """Per query language, ``zh`` when the Chinese answer outranks the English one in more than
+    half the items of the middle blocks (:func:`pivot_window`), else ``en``."""
     lo, hi = pivot_window(num_layers)
     out: dict[str, Any] = {"window": [lo, hi], "per_language": {}}
     for g in dict.fromkeys(it.lang for it in items):

@@ -1,8 +1,5 @@
-"""``steerserve analyze`` as a function: records, arms, the model, the logit lens per arm and the
-report, from one config.
-
-Why not in the CLI: the records' form and sample, the artifact and arms compared and the report's
-header are research decisions; a notebook calls :func:`run` and gets the same report.
+"""``steerserve lab analyze`` as a function of one config, so a notebook gets the same report
+as the command.
 """
 
 from __future__ import annotations

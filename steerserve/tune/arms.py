@@ -1,10 +1,5 @@
-"""The arms an artifact is compared in, by evaluation (vLLM) and diagnosis (transformers) alike.
-
-``unsteered``; each intervention alone under its own name; ``both``: all of the artifact's
-interventions together; and two controls that apply ``both`` with other vectors of the same norm:
-``random`` (a random direction) and ``random_signs`` (the vector with a random sign per dimension:
-same per-dimension magnitudes, which matters when a few dimensions carry most of the residual
-norm). The controls ask "does any push of this size do it?".
+"""The arms an artifact is compared in: ``unsteered``, each intervention, ``both``, and
+same-norm controls (``random``, ``random_signs``) that ask "does any push of this size do it?".
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Joint calibration of the recall and translation vectors through the vLLM engine.
-
-Layer, scale, positions and the recall variant are open choices, and single-vector shortcuts can
-mislead (the best vector alone need not be part of the best pair), so we sweep on the calibration
-split (never train, never test): each vector alone (coarse), then the top few of each jointly,
-then a finer scale grid around the best joint pair. Objective: mean non-English accuracy, subject
-to English accuracy falling by at most ``max_en_drop`` against the unsteered arm. Layers are
-chosen as fractions of the model's depth.
-
-Vectors are unit directions times the layer's mean residual norm, so ``scale`` is in units of
-the residual stream's size at that layer (recorded in the manifest).
+"""Joint calibration of the recall and translation vectors: alone (coarse), the top few jointly,
+finer scales around the best pair (the best vector alone need not be in the best pair).
 """
 
 from __future__ import annotations
@@ -197,9 +188,8 @@ Pair = tuple[Setting | None, Setting | None]  # (recall, translation)
 
 
 class SweepBook:
-    """What every sweep keeps, whatever it scores by (accuracy: :class:`Sweep`; log P:
-    ``calibrate_logp.LogpSweep``): each (recall, translation) pair's row once, the rows in the
-    order they ran, and one log line per row."""
+    """What every sweep keeps, whatever it scores by: each (recall, translation) pair's row once,
+    in the order they ran, and a log line per row."""
 
     def __init__(self, log: Any = print) -> None:
         self.rows: list[Row] = []
@@ -330,9 +320,8 @@ class Objective:
 
 
 def run_plan(sw: SweepBook, grid: Grid, obj: Objective) -> tuple[Row, Row]:
-    """The one plan of both objectives: each vector alone (coarse), the top-k of each paired
-    (joint), scales and positions around the best pair (fine); the unsteered row and the
-    winner (the best pair within the guard, else the joint stage's best by score)."""
+    """The one plan of both objectives: coarse, joint, fine; the unsteered row and the winner (the
+    best pair within the guard, else the joint stage's best)."""
     rec, tr = coarse_settings(grid)
     coarse = [(None, None)] + [(r, None) for r in rec] + [(None, t) for t in tr]
     rows = sw.run_many("coarse", coarse)
@@ -410,9 +399,8 @@ def build_artifact(
     description: str = DESCRIPTION,
     languages: dict[str, Any] | None = None,
 ) -> Any:
-    """Save the winner as ``recall`` + ``translation`` interventions, the sweep in each manifest
-    entry's ``calibration`` (the joint choice is one decision, so both carry it), and the gate
-    of ``auto`` (``languages``: the manifest's object; None: every non-English language)."""
+    """Save the winner as ``recall`` + ``translation``, the sweep in each entry's ``calibration``
+    (one joint decision, so both carry it) and ``auto``'s gate (``languages``; None: all)."""
     from steerserve.artifacts import Intervention, Manifest, binding_for_model, save_artifact
 
     winner: Row = result["_winner"]
@@ -459,10 +447,8 @@ def calib_records(
     part: tuple[int, int] = (0, 1),
     form: str = "completion",
 ) -> list[dict]:
-    """Calibration-split items: ``per_lang`` per non-English language, more English (the guard
-    on English needs more than a handful of items to mean anything), from ``part`` of each
-    language's facts (see ``facts.eval_records``; the sweep and its held-out check use
-    ``(0, 2)`` and ``(1, 2)``), in ``form`` (completion: ``shots`` default 3; chat: 0)."""
+    """Calibration-split items from ``part`` of each language's facts: ``per_lang`` per
+    non-English language and ``en_items`` English ones (the guard needs more than a handful)."""
     from steerserve.tune.facts import LANGS, eval_records
 
     kw = dict(split="calib", shots=shots, part=part, form=form)
@@ -500,10 +486,8 @@ def confirm(
     max_tokens: int = 8,
     log: Any = print,
 ) -> dict[str, Any]:
-    """Re-run the unsteered arm and the chosen pair on held-out calibration facts.
-
-    A sweep over many configurations on the same items picks the luckiest; this is the unbiased
-    check of the winner. Stored under ``result["holdout"]``; the choice itself is not changed."""
+    """The unsteered arm and the chosen pair again on held-out facts (``result["holdout"]``): a
+    sweep picks the luckiest setting, so only fresh items check it; the choice is not changed."""
     winner: Row = result["_winner"]
     sw = Sweep(engine, cands, records, max_tokens, log)
     base = sw.run("holdout", None, None)

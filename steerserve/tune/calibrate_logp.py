@@ -1,13 +1,7 @@
 """The log P objective of calibration: select on one half, confirm on the other.
 
-Accuracy on a few hundred items moves by whole items, so a sweep over dozens of settings picks
-the luckiest one. The teacher-forced log-probability of the gold answer is continuous: each
-setting is scored by its paired mean change against the unsteered arm on the same items, the
-winner is chosen on one half of the calibration facts and must confirm on the other (95 % CI of
-the change above zero, accuracy not lower, English within its guard). Scoring runs in
-transformers with the engine's steering semantics (``runner.Runner`` + ``entry_edits``,
-tested against the steering reference the engine is tested against): the engine cannot score
-an answer it did not generate while steering only from the question's last token.
+Accuracy on a few hundred items moves by whole items, so a sweep picks the luckiest setting;
+the paired change in teacher-forced log P(gold) is continuous (scored in transformers).
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ class LogpSweep(SweepBook):
         if todo:
             t0 = time.perf_counter()
             bar = f"{stage} ({len(todo)} settings)" if self.progress else False
-            res, _ = self.scorer.run(self.records, [self._step(p) for p in todo], progress=bar)
+            res = self.scorer.run(self.records, [self._step(p) for p in todo], progress=bar)
             secs = (time.perf_counter() - t0) / len(todo)
             for p, r in zip(todo, res, strict=True):
                 if self.base is None:
@@ -127,9 +121,8 @@ def calibrate_logp(
     log: Any = print,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`calibrate`'s plan (``coarse_settings``, ``joint_pairs``, ``fine_pairs``), chosen
-    by paired Δ mean log P(gold), non-English, with English log P within
-    ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
+    """:func:`calibrate`'s plan chosen by paired Δ mean log P(gold), non-English, with English
+    within ``grid.max_en_logp_drop``; ``scorer`` is a ``runner.Runner``."""
     t0 = time.perf_counter()
     sw = LogpSweep(scorer, cands, records, log, progress)
     base, winner = run_plan(sw, grid, logp_objective(grid))

@@ -1,9 +1,5 @@
-"""``steerserve calibrate`` as a function: records, the sweep, the held-out check, the artifact
-and the summary, from one config.
-
-Why not in the CLI: how records are split and held out, the shot default and the verdict text
-are research decisions; a notebook or a docs/results script calls :func:`run` with the same
-config and gets the same artifact.
+"""``steerserve lab calibrate`` as a function of one config: records, the sweep, the held-out
+check, the artifact and the summary, so a script gets the same artifact as the command.
 """
 
 from __future__ import annotations
@@ -190,10 +186,8 @@ def run_logp(
     grid: cal.Grid,
     log: Callable[[str], None] = print,
 ) -> tuple[dict[str, Any], float]:
-    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, no engine;
-    a chat record's gold is forced after the model's own restated prefix, where it writes it);
-    the result and the seconds the model took to load (``cfg.threads`` 0: torch's own count;
-    restored after, so an in-process caller keeps its setting)."""
+    """Select by Δ log P(gold) on ``records``, confirm on ``held`` (transformers, a chat's gold
+    forced after the model's own prefix); the result and the model's load seconds."""
     import torch
 
     from steerserve.tune.calibrate_logp import calibrate_logp, confirm_logp
@@ -219,9 +213,8 @@ def run_logp(
 
 
 def verdict(result: dict[str, Any], max_en_logp_drop: float | None) -> list[str]:
-    """The selection and the held-out verdict in words (``max_en_logp_drop`` None: the
-    accuracy objective). A pair that did not confirm on facts it was not chosen on is noise
-    until shown otherwise, so it is said where nobody can miss it."""
+    """The selection and held-out verdict in words: a pair that did not confirm on facts it was not
+    chosen on is noise until shown otherwise, so it is said where nobody can miss it."""
     w, base = result["chosen"], result[UNSTEERED]
     if max_en_logp_drop is None:
         out = [f"calib non-English {w['non_en']:.3f} ({UNSTEERED} {base['non_en']:.3f})"]

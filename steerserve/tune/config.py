@@ -1,8 +1,5 @@
-"""What ``steerserve tune`` reads, checked before any compute is spent, and the three disjoint
-parts of the records it selects, confirms and tests on.
-
-Why the checks come first: a tune on a 1.5B model runs for an hour on a CPU; a wrong language
-code or an existing output version found after the sweep wastes all of it.
+"""What ``steerserve tune`` reads, checked before any compute (a wrong language code found after
+an hour's sweep wastes it), and the three disjoint parts it selects, confirms and tests on.
 """
 
 from __future__ import annotations
@@ -68,9 +65,8 @@ class TuneConfig:
 
 
 def check(cfg: TuneConfig) -> None:
-    """Refuse, naming the option, what cannot run: an existing output version, a bad language
-    code, stage or dataset, a model folder that is not a causal LM. The model is only looked at
-    here, not loaded or converted."""
+    """Refuse, naming the option, what cannot run (an existing version, a bad language, stage or
+    dataset, a folder that is no causal LM); the model is only looked at here, not loaded."""
     import re
 
     from steerserve.artifacts import LANGUAGE_CODES, SLUG
@@ -129,9 +125,8 @@ class Parts:
 
 
 def parts(cfg: TuneConfig, model_dir: Path, fallback_form: str = "auto") -> Parts:
-    """The records of a run: a dataset's, per language round robin in thirds; else the built-in
-    calibration split's two halves and the test split. Every language must have enough items
-    on each half that a confirmation could open its gate at all (``ConfigError`` otherwise)."""
+    """The records of a run: a dataset's in thirds per language, else the calibration halves and the
+    test split; ``ConfigError`` where a language has too few items to ever open its gate."""
     from steerserve.tune.calibrate import round_robin
     from steerserve.tune.facts import eval_records
     from steerserve.tune.records import load_records

@@ -1,6 +1,5 @@
-"""A/B evaluation of an artifact's arms through the vLLM engine: greedy answers of every record
-under every arm (``arms.py``), scored (``scoring.py``), with intervals, paired comparisons
-against the unsteered arm and the controls, a report and a plot.
+"""An artifact's arms through the vLLM engine: greedy answers of every record under every arm,
+scored, with paired intervals against the unsteered arm and the controls, a report and a plot.
 """
 
 from __future__ import annotations
@@ -75,10 +74,8 @@ def generate(
     progress: Callable[[int], None] | None = None,
     form: str = "completion",
 ) -> list[Generation]:
-    """Greedy replies, each ended by EOS, the form's stop (a completion's first newline, a chat's
-    blank line: ``replies.stop_strings``) or ``max_tokens``, which it then says. Steered requests
-    reuse the unsteered prompt KV up to their first steered token (``engine/prefix.py``), which
-    makes sweeps ~3x cheaper."""
+    """Greedy replies, each ended by EOS, the form's stop or ``max_tokens``; steered requests
+    reuse the unsteered prompt KV up to their first steered token (sweeps ~3x cheaper)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop_strings(form))
@@ -180,9 +177,8 @@ def check_budget(results: Mapping[str, ArmResult], budget: int, limit: float) ->
 
 
 def acceptance(arms: Mapping[str, Any]) -> dict[str, Any]:
-    """Does ``both`` help: beats the unsteered arm and the controls beyond the paired 95 % CI,
-    lifts the weakest language, keeps English within 1 point. Each a plain boolean plus its
-    numbers."""
+    """Does ``both`` help: beats unsteered and the controls beyond the paired CI, lifts the weakest
+    language, keeps English within 1 point; each a boolean with its numbers."""
     if not {UNSTEERED, COMBINED} <= set(arms):
         return {}
     b, base = arms[COMBINED], arms[UNSTEERED]
@@ -225,7 +221,13 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     arms = report["arms"]
     names = list(arms)
     langs = list(next(iter(arms.values()))["per_language"])
-    non_en = [g for g in langs if g != "en"]
+    lines = _header(report, names) + _language_tables(report, names, langs)
+    return "\n".join(lines + _comparisons(report, names)) + "\n"
+
+
+def _header(report: Mapping[str, Any], names: list[str]) -> list[str]:
+    """The run's settings, the scoring rule, the budget's cuts and the declared plan."""
+    arms = report["arms"]
     lines = ["# Evaluation report", ""]
     for k in ("model", "artifact", "dataset", "n_items", "max_tokens", "interventions"):
         if k in report:
@@ -245,6 +247,15 @@ def report_markdown(report: Mapping[str, Any]) -> str:
         )
     if plan := report.get("plan"):
         lines += ["", f"## Plan, declared before the run (`{plan['file']}`)", "", plan["text"]]
+    return lines
+
+
+def _language_tables(report: Mapping[str, Any], names: list[str], langs: list[str]) -> list[str]:
+    """Per language and arm: accuracy, the paired difference, answer script, English, Chinese
+    and recall-any rates."""
+    arms, sc = report["arms"], report.get("scoring")
+    non_en = [g for g in langs if g != "en"]
+    lines: list[str] = []
 
     def acc(a: str, g: str) -> str:
         p = arms[a]["per_language"][g]
@@ -299,7 +310,13 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     )
     cells = [R.pct(arms[a]["non_english_recall_any_mean"]) for a in names]
     lines.append("| non-English mean | " + " | ".join(cells) + " |")
-    lines += ["", "## Paired comparisons (non-English mean accuracy, paired bootstrap)", ""]
+    return lines
+
+
+def _comparisons(report: Mapping[str, Any], names: list[str]) -> list[str]:
+    """Each arm against the base arm, unsteered and the controls; the acceptance checks."""
+    arms, base = report["arms"], report.get("base_arm", UNSTEERED)
+    lines = ["", "## Paired comparisons (non-English mean accuracy, paired bootstrap)", ""]
     lines.append("| comparison | difference (pts) | 95 % CI | P(diff <= 0) |")
     lines.append("|---|---|---|---|")
     for a in names:
@@ -316,7 +333,7 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     if acc_:
         lines += ["", f"## Acceptance (arm `{COMBINED}`)", ""]
         lines += [f"- {k}: `{v}`" for k, v in acc_.items()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(report: Mapping[str, Any], path: str | Path) -> None:
@@ -373,13 +390,8 @@ def evaluate(
     chunk: int = 256,
     on_chunk: Callable[[int, dict[str, ArmResult], dict[str, float]], None] | None = None,
 ) -> tuple[dict[str, ArmResult], dict[str, float]]:
-    """Run every arm on every record through ``engine``; returns results and seconds per arm.
-
-    Records go chunk by chunk, every arm on a chunk before the next (the first arm computes the
-    prompt prefixes, the others reuse them from the prefix cache, so the KV cache only has to
-    hold one chunk). ``on_chunk(done, results, times)`` sees the first ``done`` records' results
-    after each chunk (a long CPU run then leaves a report even if it is stopped early).
-    ``arms``: default every arm of the artifact (:func:`arms.arm_names`)."""
+    """Every arm on every record, chunk by chunk (later arms read the first's prefix cache;
+    ``on_chunk`` after each lets a stopped run leave a report); results and seconds per arm."""
     from tqdm import tqdm
 
     from steerserve.tune.records import dataset_form
@@ -419,12 +431,8 @@ def open_engine(
     max_model_len: int = 1024,
     cpu_threads: str | None = None,
 ) -> Any:
-    """A SteerEngine for offline sweeps/evaluation (in-process, prefix caching on).
-
-    ``block_size`` 32 (vLLM's CPU default is 128) lets few-shot prompts of ~100 tokens share
-    cached prefix blocks; ``cpu_threads`` ("0", "0-1") binds vLLM's CPU threads; on a GPU pass
-    ``kv_cache_bytes=0`` to let vLLM size the cache.
-    """
+    """A SteerEngine for offline sweeps (in-process, prefix caching on, ``block_size`` 32 so
+    ~100-token few-shot prompts share blocks); ``kv_cache_bytes=0`` lets vLLM size it on a GPU."""
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -1,11 +1,5 @@
-"""``steerserve eval`` as a function: records, arms, the engine, the chunked evaluation and the
-report, from one config.
-
-Why not in the CLI: which artifact and arms are compared, the records' form and shots, the
-declared plan that makes a test run once and the budget that stops a run whose replies were cut
-are research decisions; a notebook or a docs/results script calls :func:`run` and gets the same
-report. Errors: :class:`runs.ConfigError` (a bad option), :class:`runs.RunError` (no artifact),
-:class:`replies.BudgetError` (too many replies cut; the report so far is written).
+"""``steerserve lab eval`` as a function of one config, so a script gets the same report; a
+declared plan makes a test run once, and a budget that cut replies stops the run.
 """
 
 from __future__ import annotations
@@ -60,9 +54,8 @@ def _records(cfg: EvalConfig, art: Any) -> tuple[list[dict], str]:
 
 
 def run(cfg: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Evaluate every arm on every record through vLLM, rewriting report.json/md, accuracy.png
-    and replies.jsonl after each chunk; the final report. A run whose replies the token budget
-    cut above ``max_cut_share`` stops with :class:`BudgetError` after writing what it has."""
+    """Every arm on every record through vLLM, the report rewritten after each chunk; above
+    ``max_cut_share`` cut replies it stops with :class:`BudgetError` after writing what it has."""
     from steerserve.tune.records import describe_source
     from steerserve.tune.replies import budget
 

@@ -1,23 +1,5 @@
-"""Candidate vectors for the two interventions, from any transformers causal LM (CPU or GPU).
-
-For every decoder block at once we read the residual stream at the last prompt token (the output
-of block L, captured by forward hooks so it is exactly what the engine steers: transformers'
-``hidden_states[L+1]``, except that its last entry is after the final norm). From group means:
-
-- recall task vectors, one per variant (an open choice): demonstrations in English
-  (``en``), in the query language (``native``) or English demonstrations before a query-language
-  query (``mixed``); the raw few-shot mean (``raw``) or few-shot minus zero-shot (``diff``).
-- the translation difference vector: mean over explicit translation prompts ("English: Paris →
-  French:") minus mean over factual-recall prompts in the same languages, pooled over languages.
-
-Prompts come in the model's form: ``completion`` (few-shot text, as above) or ``chat`` (the same
-construction as chats, ``facts.chat``: the instruction as system message, each demonstration an
-earlier user/assistant turn, the query the last user turn; the state is read at the last token
-of the rendered chat, where the reply starts). The zero-shot chat is exactly what chat
-evaluation and the server send, so a ``diff`` vector is "what demonstrations add" at the very
-position it will be added.
-
-Everything is deterministic: fixed fact order, fixed seeds, no sampling.
+"""Candidate vectors for the two interventions from any transformers causal LM, at the last
+prompt token of every block (what the engine steers), deterministically.
 """
 
 from __future__ import annotations
@@ -247,12 +229,8 @@ def last_token_means(
     batch_size: int = 16,
     desc: str = "extract",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean last-prompt-token output of every block ``[L, H]`` and mean norm ``[L]`` (float32).
-
-    Prompts (text, or chat messages rendered as the server renders them) are length-sorted and
-    left-padded with explicit position ids, so a padded row sees the same positions as alone and
-    results do not depend on the batch composition.
-    """
+    """Mean last-prompt-token output of every block ``[L, H]`` and mean norm ``[L]``; prompts are
+    left-padded with explicit positions, so results do not depend on the batch."""
     from tqdm import tqdm
 
     layers = decoder_layers(model)
@@ -320,11 +298,8 @@ def extract(model: Any, tokenizer: Any, cfg: ExtractConfig | None = None) -> Can
 
 
 def unit_scaled(c: Candidates, name: str, layer: int) -> torch.Tensor:
-    """Candidate direction at unit norm times the layer's mean residual norm.
-
-    Scales are then in units of the residual stream's size at that layer, comparable across
-    layers and models (and well inside the engine's scale limit).
-    """
+    """The unit direction times the layer's mean residual norm: scales are then comparable across
+    layers and models."""
     v = c.vector(name, layer).float()
     return v / v.norm().clamp_min(1e-12) * float(c.tensors[NORM_KEY][layer])
 

@@ -1,11 +1,5 @@
-"""The gate rule of ``steerserve tune``: which languages ``auto`` steers, decided once, on the
-confirmation half only, and recorded in the manifest.
-
-Why an exact sign test and not a bootstrap interval: the confirmation has a few dozen items per
-language and a binary outcome per item, and the correction for testing many languages asks for
-tail probabilities (α / k) a bootstrap of 40 items cannot resolve. The exact one-sided test of
-wins against losses (McNemar's, on the discordant items) holds its level at any n, and its
-Bonferroni-corrected version is the interval "Δ accuracy > 0 at level α / k".
+"""The gate rule of ``steerserve tune``, decided once on the confirmation half: an exact
+one-sided sign test at α / k (a bootstrap of 40 binary items cannot resolve Bonferroni tails).
 """
 
 from __future__ import annotations
@@ -64,9 +58,8 @@ def _binom_tail(n: int, p: float, w: int) -> float:
 
 
 def items_needed(k: int, alpha: float, min_effect: float, cap: int = 100_000) -> int:
-    """The fewest confirmation items per language at which a true gain of ``min_effect`` with
-    no losses (the most favourable case, so this is a floor) is confirmed with power
-    :data:`POWER`."""
+    """The fewest confirmation items per language at which a true gain of ``min_effect`` with no
+    losses (the best case, so a floor) confirms with power :data:`POWER`."""
     w = wins_needed(k, alpha)
     n = w
     while n < cap and _binom_tail(n, min_effect, w) < POWER:
@@ -80,9 +73,8 @@ def decide(
     records: Sequence[Mapping[str, Any]],
     settings: GateSettings,
 ) -> dict[str, Any]:
-    """Per language, the confirmation's numbers and the gate it earns (``open``, ``why``);
-    ``base``/``steered`` are the runner's per-item results on ``records`` (the confirmation
-    half), English included as the guard."""
+    """Per language, the confirmation's numbers and the gate it earns (``open``, ``why``), from the
+    runner's per-item results on the confirmation half, English the guard."""
     langs = sorted({r["lang"] for r in records} - {"en"})
     k = max(1, len(langs))
     floor, need = (

@@ -1,8 +1,5 @@
-"""transformers helpers the research code shares: loading a model, finding its decoder blocks,
-left-padded batches, and capturing module outputs at the last prompt token.
-
-Every measurement reads the residual stream at the output of decoder block L (the engine's
-convention, transformers' ``hidden_states[L + 1]``), so the blocks are found and hooked here, once.
+"""transformers helpers shared here: loading, decoder blocks, left-padded batches and capture
+at the output of block L (the engine's convention), found and hooked in one place.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""``steerserve tune`` as a function: check, size, then run the stages in order, skipping those a
-previous run of the same settings finished (``state.json`` in the work folder says which).
-
-Why resumable: on a CPU a 1.5B model's tune takes an hour or more; a stop (a signal, a full
-disk, a closed laptop) must cost the stage it was in, not the run.
+"""``steerserve tune`` as a function: check, size, then run the stages, skipping those a run of
+the same settings finished, so a stop on an hour-long CPU run costs one stage, not the run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The answer position of a chat reply: the model's own words before the name.
-
-A chat model restates the question ("ロシアの首都は" + "モスクワです。"), so the gold name's log P
-forced right after the prompt scores a reply the model would not write, and rewards vectors that
-only change the format (a bare name). Here each record gets the model's own unsteered reply up
-to where the name starts (``reply_prefix``), generated once per fact; the research runner then
-reads the prefix as part of the prompt, forces the gold name after it and edits the state there.
+"""The answer position of a chat reply: the model's own words before the name, where the gold
+name is forced (right after the prompt it rewards vectors that only change the format).
 """
 
 from __future__ import annotations
@@ -40,9 +35,8 @@ def _key(rec: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def echoed_prefix(rec: Mapping[str, Any], reply: str) -> str | None:
-    """For a reply that names no known answer: its start as far as it echoes the question
-    ("헝가리의 수도는 " of "헝가리의 수도는 뉴욕입니다." asked "헝가리의 수도는 어디입니까?"), when
-    that echo passes the subject; else None (a reordered or unrelated reply)."""
+    """For a reply naming no known answer: its start as far as it echoes the question past the
+    subject ("헝가리의 수도는 " of "헝가리의 수도는 뉴욕입니다."); else None."""
     f = _facts().get(rec["id"])
     question = rec["messages"][-1]["content"] if rec.get("messages") else ""
     sent = first_sentence(reply.lstrip(" \t"))
@@ -53,11 +47,8 @@ def echoed_prefix(rec: Mapping[str, Any], reply: str) -> str | None:
 
 
 def with_prefixes(records: Sequence[Mapping[str, Any]], replies: Sequence[str]) -> list[dict]:
-    """``records`` with ``reply_prefix`` and ``prefix_source``: ``own`` (the record's reply up to
-    the name); ``echo`` (a reply naming no known answer, as far as it echoes the question:
-    ``echoed_prefix``); ``template`` (a reply of the same relation and language with its
-    subject swapped for this one's, when this reply names no known answer and echoes nothing);
-    ``none`` (a bare reply)."""
+    """``records`` with ``reply_prefix`` and its ``prefix_source``: ``own``, ``echo`` (as far as
+    it echoes the question), ``template`` (a sibling's reply, subject swapped) or ``none``."""
     own = [restated_prefix(r, t) for r, t in zip(records, replies, strict=True)]
     echoed = [echoed_prefix(r, t) for r, t in zip(records, replies, strict=True)]
     facts = _facts()
@@ -87,7 +78,7 @@ def at_answer_position(runner: Any, records: Sequence[Mapping[str, Any]]) -> lis
     chat = [i for i, r in enumerate(records) if "messages" in r]
     if not chat:
         return [dict(r) for r in records]
-    res, _ = runner.run([records[i] for i in chat], [None], progress=False)
+    res = runner.run([records[i] for i in chat], [None], progress=False)
     done = with_prefixes([records[i] for i in chat], [x["text"] for x in res[0]])
     out = [dict(r) for r in records]
     for i, r in zip(chat, done, strict=True):

@@ -1,9 +1,5 @@
-"""Evaluation records in either form, and the token ids a model reads for them.
-
-A record is ``{"id", "lang", "answers", "answers_en"?, "answers_zh"?}`` plus either
-``"prompt"`` (completion form: text the model continues, few-shot for base models) or
-``"messages"`` (chat form: rendered by :func:`steerserve.models.chat.chat_ids`, the server's own
-rendering, so what is measured is what is served).
+"""Evaluation records in either form (completion ``prompt`` or chat ``messages``, rendered as
+the server renders them, so what is measured is what is served) and their token ids.
 """
 
 from __future__ import annotations
@@ -130,13 +126,8 @@ def load_records(
     build: Callable[..., list[dict]] | None = None,
     **select: Any,
 ) -> tuple[list[dict], str]:
-    """The records a run reads, and their one form: a ``dataset`` file's (checked; its form is
-    its records'), else the built-in facts in ``form`` (auto: ``fallback``, the form an artifact
-    or its candidates were made in; auto again: by the model's name), built by ``build``
-    (default :func:`facts.eval_records`) with ``select`` (split, shots, part, langs, ...).
-
-    Why one function: eval, analyze and calibrate each branched on dataset-or-split, form and
-    shots; written three times, the three drifted. ``ValueError``: a bad file or form."""
+    """The records a run reads and their one form: a ``dataset`` file's, else the built-in facts in
+    ``form`` (auto: ``fallback``, then the model's name); one function, as three copies drifted."""
     if dataset is not None:
         records = read_dataset(dataset)
         return records, dataset_form(records)

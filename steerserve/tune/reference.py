@@ -1,11 +1,5 @@
-"""Plain transformers steering with forward hooks: the correctness oracle for the vLLM plugin, and
-the transformers backend of extraction and evaluation.
-
-Same semantics as the engine: an entry at layer L applies its op (``engine/ops.py``: the row's
-``reference``, the same function the research runner applies) to the output of decoder block L
-(transformers' ``hidden_states[L + 1]``) on the tokens its ``positions`` selects, where a token's
-phase is prompt (before the last prompt token), last prompt token, or generated (position >= prompt
-length); on one layer in the registry's order (``ops.ordered``).
+"""Plain transformers steering with forward hooks: the oracle the vLLM plugin is tested against,
+with its semantics (each entry's ``engine/ops.py`` op at block L on its ``positions``).
 """
 
 from __future__ import annotations
@@ -42,12 +36,8 @@ def steering_hooks(
     vectors: Mapping[str, torch.Tensor],
     masks: torch.Tensor | None = None,
 ) -> Iterator[dict]:
-    """Apply the entries while the context is open.
-
-    ``masks`` (optional, bool ``[3, batch, seq]`` per phase) says which tokens are in which phase;
-    set ``ctx["masks"]`` inside the context to change it between forwards. Without masks every token
-    counts as phase ``prompt`` *and* is steered only by ``positions="all"`` entries.
-    """
+    """Apply the entries while the context is open; ``masks`` (bool ``[3, batch, seq]``, settable
+    as ``ctx["masks"]``) gives each token's phase, else only ``positions="all"`` entries apply."""
     layers = decoder_layers(model)
     ctx: dict = {"masks": masks}
     by_layer: dict[int, list[SteeringEntry]] = {}
@@ -91,10 +81,8 @@ def greedy(
     vectors: Mapping[str, torch.Tensor] | None = None,
     forced: Sequence[int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decoding by full recomputation (simple and exact): returns the new token ids and the
-    log-probabilities (float32, full vocabulary) each was chosen from. With ``forced``, those
-    tokens are fed back instead of the argmax (teacher forcing: the reference's log-probabilities
-    along another decoder's tokens)."""
+    """Greedy decoding by full recomputation (simple and exact): the new token ids and the
+    log-probabilities each was chosen from; ``forced`` tokens are fed back instead of the argmax."""
     ids = list(prompt_ids)
     p = len(ids)
     out, logps = [], []

@@ -1,11 +1,5 @@
-"""Every reply kept, with its verdict and whether the token budget cut it.
-
-A ruler that cuts answers short is broken: a chat model restates the question before the name
-("アドリアーノ・チェレンターノはイタリアの市民です。" needs ~12 tokens in Japanese), so chat replies
-run to EOS or a blank line under a budget that fits (:data:`CHAT_BUDGET`), and a run whose
-scored span the budget cut more often than :data:`MAX_CUT_SHARE` stops, naming the budget. Each
-reply is written to ``replies.jsonl`` (id, lang, arm, text, verdict, why, script, tokens, cut) so
-that a reader can check the scorer, and per-language paired statistics can be recomputed.
+"""Every reply kept, with its verdict and whether the token budget cut it: a ruler that cuts
+answers short is broken, so a run whose budget cut too many stops, naming it.
 """
 
 from __future__ import annotations
@@ -63,9 +57,8 @@ def span_ended(text: str, chat: bool) -> bool:
 
 
 def loops(text: str, longest: int = 80, least: int = 24) -> bool:
-    """The reply ends in a repetition loop: its end is periodic (some unit of up to ``longest``
-    characters, "リアリアリア…", "の混合で、ユーラ…") over at least two whole units and ``least``
-    characters. More tokens would go on repeating, never end the answer."""
+    """The reply ends in a repetition loop (a unit of up to ``longest`` characters, at least twice
+    and ``least`` characters): more tokens would go on repeating, never end the answer."""
     t = text.rstrip()
     for period in range(1, min(longest, len(t) // 2) + 1):
         run = period

@@ -1,8 +1,10 @@
-"""The one report writer of the research commands: ``<stem>.json``, ``<stem>.md`` and figures."""
+"""The one writer of what the commands leave: reports (``<stem>.json``, ``.md``, figures) and
+the tune run's JSON files, atomic, so a stage reads what another wrote without importing it."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,3 +43,14 @@ def write(
     for name, draw in (figures or {}).items():
         draw(out / name)
     return out
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, atomically (a temp file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())

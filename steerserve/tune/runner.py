@@ -1,16 +1,5 @@
-"""The research runner: records scored under residual-stream edits in plain transformers.
-
-Why here and not through the engine: the experiments need the teacher-forced log P of the gold
-answer and the block states, which a serving engine does not expose. Edits act on the output of
-decoder block L (= transformers ``hidden_states[L + 1]``), the engine's convention, and speak
-the engine's entry vocabulary: an edit's ``kind`` is an operation of ``engine/ops.py`` applied by
-its reference, and ``entry_edits`` turns engine entries into edits. The prompt
-minus its last token is run once per batch and its KV cache reused by every edit (exact: an
-edit at the last prompt token cannot change earlier tokens' keys and values), so a layer sweep
-costs a few one-token forwards per item, not a full forward.
-
-A record is a completion ``prompt`` or chat ``messages`` (rendered by the tokenizer's chat
-template, answer right after the generation prompt).
+"""Records scored under residual-stream edits in plain transformers (the log P and block states
+an engine does not expose), the prompt's KV reused by every edit: a sweep costs one-token forwards.
 """
 
 from __future__ import annotations
@@ -48,9 +37,8 @@ MAX_NEW = {"completion": COMPLETION_BUDGET, "chat": CHAT_BUDGET}
 
 
 def encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list[list[int]]]:
-    """Prompt ids (a chat rendered as the server renders it) and each distinct alias's ids as
-    the model would emit them after the prompt (a completion's tokenised in context, so the
-    separator merges as in generation; a chat's reply starts a fresh word after the header)."""
+    """Prompt ids (a chat as the server renders it) and each distinct alias's ids as the model would
+    emit them after it (a completion's in context, so the separator merges as in generation)."""
     if "messages" in rec:
         return chat_encode(tokenizer, rec)
     text = rec["prompt"]
@@ -78,12 +66,8 @@ def chat_encode(tokenizer: Any, rec: Mapping[str, Any]) -> tuple[list[int], list
 def chat_parts(
     tokenizer: Any, rec: Mapping[str, Any]
 ) -> tuple[list[int], list[int], list[list[int]]]:
-    """A chat's prompt ids; its ``reply_prefix`` (the model's own words before the name,
-    ``prefixes.with_prefixes``) as if already generated; each distinct alias tokenised in
-    context after the prefix (where a merge across the boundary breaks that, the alias alone).
-    A space that ends the prefix ("La capital de Rusia es ") goes with the name, as the model
-    writes it (" Moscú"): a prompt ending in a lone space token is a state the model never
-    reaches."""
+    """A chat's prompt ids, its ``reply_prefix`` ids as if generated, and each distinct alias in
+    context after it; a space ending the prefix goes with the name, as the model writes it."""
     sep = reply_separator(tokenizer)
     whole = rec.get("reply_prefix") or ""
     prefix = whole.rstrip()
@@ -101,10 +85,8 @@ def chat_parts(
 
 
 def decided(text: str, rec: Mapping[str, Any]) -> bool:
-    """True once more greedy tokens cannot change whether ``text`` is correct (nor, in the
-    completion form, English): a newline ended the first line; a chat reply's first sentence
-    ended (its script is then fixed too) or holds a gold answer; a completion's normalised answer so far matches, or
-    can no longer match, every alias."""
+    """True once more greedy tokens cannot change whether ``text`` is correct (or English): the
+    first line or chat sentence ended, or the answer so far matches (or cannot match) an alias."""
     t = text.lstrip(" \t")
     if "\n" in t:
         return True
@@ -133,42 +115,19 @@ def _bar(progress: bool | str, total: int) -> Any:
 # --- edits and hooks ---------------------------------------------------------------------------
 
 
-#: Research's own placement: the last prompt token alone (each of the engine's ``positions``
-#: steers the generated tokens too).
-LAST_PROMPT_ONLY = (PHASE_LAST_PROMPT,)
-
-
 @dataclass
 class Edit:
-    """A steering ``entry`` (its op, layer and scale; ``engine/ops.py``'s reference of the op)
-    applied with the tensor ``vec``: ``[H]`` (one vector) or ``[N, H]`` (row i for item i of the
-    run), on the tokens of the entry's ``positions``, or on the last prompt token alone
-    (``last_prompt_only``). ``name`` labels the edit in results."""
+    """A steering ``entry`` applied with ``vec`` (``[H]``, or ``[N, H]``: row i for item i) on the
+    tokens of its ``positions``."""
 
     name: str
     entry: SteeringEntry
     vec: torch.Tensor
-    last_prompt_only: bool = False
-
-    @classmethod
-    def of(
-        cls,
-        name: str,
-        layer: int,
-        op: str,
-        vec: torch.Tensor,
-        scale: float = 1.0,
-        positions: str | None = None,
-    ) -> Edit:
-        """An edit of ``vec`` by ``op``; ``positions`` None: the last prompt token only."""
-        entry = SteeringEntry(name, layer, scale, positions or "last_prompt_and_generated", op)
-        return cls(name, entry, vec, positions is None)
 
     def __post_init__(self) -> None:
         if self.entry.op not in OPS:
             raise ValueError(f"unknown op {self.entry.op!r}; one of {', '.join(OPS)}")
-        phases = LAST_PROMPT_ONLY if self.last_prompt_only else POSITIONS[self.entry.positions]
-        self.phases = frozenset(phases)
+        self.phases = frozenset(POSITIONS[self.entry.positions])
 
     def _apply(self, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         v = self.vec if self.vec.dim() == 1 else self.vec[rows]
@@ -214,19 +173,14 @@ def entry_edits(
 
 
 class Hooks:
-    """One forward hook per decoder block, driven by mutable fields (registered once per run).
-
-    ``phase`` "prefix": earlier prompt tokens, edited by ``Edit.early``; "last": the last prompt
-    token (one column), edited by ``Edit.last`` and captured into ``capture`` if set; "later":
-    answer/generated tokens, ``Edit.later``. ``rows`` maps the current batch rows to item
-    indices (for per-item vectors)."""
+    """One forward hook per decoder block, driven by mutable fields: ``phase`` (prefix, last,
+    later) picks the edit's method; ``rows`` maps batch rows to items (per-item vectors)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers = decoder_layers(model)
         self.edits: tuple[Edit, ...] = ()
         self.phase = "last"
         self.rows = torch.zeros(0, dtype=torch.long)
-        self.capture: list[torch.Tensor | None] | None = None
         self._handles: list[Any] = []
 
     def _hook(self, i: int) -> Callable[..., Any]:
@@ -240,8 +194,6 @@ class Hooks:
                     h = e.early(h, self.rows)
                 else:
                     h = e.later(h, self.rows)
-            if self.capture is not None and self.phase == "last":
-                self.capture[i] = h[:, -1].detach().float().clone()
             return (h, *output[1:]) if isinstance(output, tuple) else h
 
         return f
@@ -272,9 +224,8 @@ class _Batch:
 
 
 class Runner:
-    """Scores records under edits: per item ``correct``/``english``/``recall_any`` (greedy, first
-    line, stopped once decided), ``logp`` (sum over the gold answer's tokens, max over aliases)
-    and ``logp_tok`` (per-token mean, max over aliases), and the answer ``text``."""
+    """Scores records under edits: per item ``correct``/``english``/``recall_any`` (greedy, stopped
+    once decided), ``logp`` and ``logp_tok`` (sum, per-token mean; max over aliases), ``text``."""
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 64) -> None:
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
@@ -292,20 +243,13 @@ class Runner:
         self,
         records: Sequence[Mapping[str, Any]],
         edits: Sequence[Step] = (None,),
-        capture: bool = False,
         progress: bool | str = True,
-    ) -> tuple[list[list[dict]], torch.Tensor | None]:
-        """Results ``[step][item]`` (a step: no edit, one, or several added up); with
-        ``capture``, the last-token output of every block ``[N, L, H]`` (float32), taken in the
-        first step's pass (pass ``None`` first for unedited states). ``progress``: log every
-        10 batches, or (a string) show a progress bar of that name."""
+    ) -> list[list[dict]]:
+        """Results ``[step][item]`` (a step: no edit, one, or several); ``progress``: log every
+        10 batches, or show a bar of that name."""
         enc = [encode(self.tok, r) for r in records]
         order = sorted(range(len(enc)), key=lambda i: (len(enc[i][0]), i))
         out: list[list[dict | None]] = [[None] * len(records) for _ in edits]
-        states = None
-        if capture:
-            h = self.model.config.get_text_config().hidden_size
-            states = torch.zeros(len(records), self.num_layers, h)
         t0 = time.perf_counter()
         bar = _bar(progress, len(order) * len(edits))
         with bar, self.hooks.active():
@@ -314,12 +258,7 @@ class Runner:
                     [order[i] for i in range(b0, min(b0 + self.batch_size, len(order)))], enc
                 )
                 for k, e in enumerate(edits):
-                    cap = capture and k == 0
-                    res = self._pass(batch, e, enc, records, cap)
-                    if cap:
-                        assert states is not None and self.hooks.capture is not None
-                        states[batch.rows] = torch.stack(self.hooks.capture, 1)  # type: ignore[arg-type]
-                        self.hooks.capture = None
+                    res = self._pass(batch, e, enc, records)
                     for r, i in enumerate(batch.rows.tolist()):
                         out[k][i] = res[r]
                     bar.update(len(batch.rows))
@@ -327,7 +266,7 @@ class Runner:
                     done = min(b0 + self.batch_size, len(order))
                     log.info("%d/%d items x %d edits, %.0f s", done, len(order), len(edits),
                              time.perf_counter() - t0)  # fmt: skip
-        return out, states  # type: ignore[return-value]
+        return out  # type: ignore[return-value]
 
     def _prefix(self, idx: list[int], enc: Sequence[tuple[list[int], Any]]) -> _Batch:
         """Left-pad the batch and run every column but the last (the KV every edit reuses)."""
@@ -380,7 +319,7 @@ class Runner:
         out_lp[valid], out_am[valid] = lp, am
         return out_lp, out_am
 
-    def _pass(self, b: _Batch, step: Step, enc: Sequence, records: Sequence, cap: bool):
+    def _pass(self, b: _Batch, step: Step, enc: Sequence, records: Sequence):
         hk = self.hooks
         edits = edits_of(step)
         if any(
@@ -390,7 +329,6 @@ class Runner:
         else:
             cache = copy.deepcopy(b.cache)
         hk.edits, hk.phase, hk.rows = edits, "last", b.rows
-        hk.capture = [None] * self.num_layers if cap else None
         h = self._hidden(b.ids[:, -1:], b.mask, b.pos[:, -1:], cache)[:, -1]
         lp0 = torch.log_softmax(self._logits(h), -1).cpu()
         hk.phase = "later"
@@ -407,9 +345,8 @@ class Runner:
         return res
 
     def _teacher_forced(self, b: _Batch, cache: Any, lp0: torch.Tensor, aliases: list):
-        """Per row (max over aliases) the summed and the mean log P of the answer's tokens, and
-        the greedy prefixes the forced pass reveals (greedy follows an alias while its argmax
-        is the alias's next token; the first mismatching argmax is greedy's next token)."""
+        """Per row the summed and mean log P of the answer (max over aliases), and the greedy
+        prefixes the forced pass reveals (greedy follows an alias while its argmax is next)."""
         rows = [r for r, al in enumerate(aliases) for _ in al]
         seqs = [a for al in aliases for a in al]
         total = [float(lp0[r, s[0]]) for r, s in zip(rows, seqs, strict=True)]
@@ -461,9 +398,8 @@ class Runner:
         return done, text
 
     def _greedy(self, b: _Batch, cache: Any, lp0: torch.Tensor, recs: list, paths: list) -> list:
-        """Greedy continuation per row, each stopped at EOS, ``MAX_NEW`` tokens, or once its
-        score is decided. Rows the forced pass already decided cost nothing; the others decode
-        (and leave the batch and the cache as they finish)."""
+        """Greedy continuation per row, stopped at EOS, ``MAX_NEW`` or once decided; rows the forced
+        pass decided cost nothing, the others leave the batch and the cache as they finish."""
         gen = [[int(t)] for t in lp0.argmax(-1).tolist()]
         text = [""] * len(gen)
         live = []

@@ -1,10 +1,5 @@
-"""What the research commands' ``run(config)`` functions share: how a setting is refused, which
-artifact and arms a run compares, and the declared plan a test runs under.
-
-Why here and not in the CLI: which artifact ``auto`` would serve, which arms an artifact has and
-when a finished test may not run again are research decisions; a notebook calling ``run`` gets
-the same ones. The CLI turns :class:`ConfigError` into a usage error naming the option and
-:class:`RunError` into ``error: ...`` and exit status 1.
+"""What the stages' ``run(config)`` functions share: how a setting is refused, which artifact
+and arms a run compares, and the plan a test runs under, so a notebook gets the command's.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def model_dir(model: str | Path) -> Path:
 def choose_artifact(
     ref: Path | None, model_dir: Path, vectors_dir: str | None, arms: tuple[str, ...]
 ) -> Any:
-    """``ref``, else the artifact the server's ``auto`` policy would serve for the model from
-    ``vectors_dir`` (default: the server's); None when there is none and only the unsteered arm
-    is asked for, else :class:`RunError` naming what is missing."""
+    """``ref``, else the artifact the server's ``auto`` would serve from ``vectors_dir``; None when
+    only the unsteered arm is asked for, else :class:`RunError` naming what is missing."""
     from steerserve.artifacts import (
         ArtifactError,
         default_vectors_dir,

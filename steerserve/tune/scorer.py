@@ -1,21 +1,5 @@
-"""The one scorer of replies, chat and completion, shared by calibration, evaluation, the
-research runner and the diagnosis (the statistics over scored replies are ``scoring.py``).
-
-The answer of a **completion** record is the first line of a greedy reply; it is correct when
-its folded text *starts with* a folded gold answer in the query language (a base model continues
-"Capital:" with the name). The answer of a **chat** record is the first sentence of the first
-line (an assistant restates the question: "フランスの首都はパリです。"); it is correct when a folded
-gold answer *occurs in* it. Folding (:func:`fold`): NFKC, casefold, the spellings of one
-katakana name folded together (ヴァ/バ, ウィ/ウイ, ー and ・ dropped), traditional Han folded into
-simplified for Chinese, punctuation and whitespace removed.
-
-Wrong answers are also classed by language, the two likely pivots of a multilingual model
-(``RULES`` states each rule; the reports repeat it):
-
-- ``english``: completion: starts with an English gold name; chat: contains one, or, when the
-  query language's answers are not in Latin script, is mostly Latin letters.
-- ``chinese``: contains the fact's Chinese answer (``answers_zh``), or has Han characters and
-  no kana or Hangul (for Japanese queries a kanji-only wrong answer counts as Chinese).
+"""The one scorer of replies (``RULES`` states each rule): a completion's first line starts with
+a folded gold answer, a chat's first sentence contains one; wrong ones are classed by pivot.
 """
 
 from __future__ import annotations
@@ -57,10 +41,8 @@ def _bare(c: str) -> str:
 
 
 def fold(text: str, lang: str | None = None) -> str:
-    """The form answers are compared in: NFKC, casefold, accents of Latin letters dropped,
-    katakana spellings folded, Chinese (``lang`` zh) traditional Han as simplified,
-    punctuation and whitespace dropped: ``fold("  París.") == "paris"``,
-    ``fold("ヴェネツィア") == fold("ベネチア")``."""
+    """The form answers are compared in: NFKC, casefold, Latin accents and punctuation dropped,
+    katakana spellings and (zh) traditional Han folded: ``fold("ヴァ") == fold("バ")``."""
     return _PUNCT.sub("", _casefold(text, lang))
 
 
@@ -104,9 +86,8 @@ def matches(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
 
 
 def contains(pred: str, answers: Iterable[str], lang: str | None = None) -> bool:
-    """True if some folded (non-empty) answer occurs in the folded prediction; an answer in
-    Latin letters only as whole words ("somali" is not in "Somalie"), others anywhere (Japanese,
-    Chinese, Korean and Arabic attach particles to the name)."""
+    """True if a folded answer occurs in the folded prediction: Latin ones as whole words ("somali"
+    is not in "Somalie"), others anywhere (CJK and Arabic attach particles to the name)."""
     p, w = fold(pred, lang), _words(pred, lang)
     for x in answers:
         a = fold(x, lang)
@@ -214,9 +195,8 @@ _GLOSS = re.compile(r"[(（][^)）]*[)）]")
 
 
 def _without_echo(pred: str, answers_en: Sequence[str], question: str) -> str:
-    """``pred`` without the English answers the question itself gave ("「Chinese Yuan」は日本語で
-    「円」です": the answer is 円), unless nothing else is left (a bare "Chinese Yuan" is the
-    English answer)."""
+    """``pred`` without English answers the question itself gave ("「Chinese Yuan」は「円」です":
+    円), unless nothing else is left."""
     echoes = [a for a in answers_en if a and question and fold(a) in fold(question)]
     rest = pred
     for a in sorted(echoes, key=len, reverse=True):

@@ -1,8 +1,5 @@
-"""The statistics of scored replies: per-arm outcomes, per-language means, Wilson and
-bootstrap intervals, paired differences.
-
-Accuracies are averaged per language first, then over languages, so every language weighs the
-same. What makes one reply right is :mod:`steerserve.tune.scorer`'s job.
+"""The statistics of scored replies: per-language means first (every language weighs the same),
+Wilson and bootstrap intervals, paired differences.
 """
 
 from __future__ import annotations
@@ -63,11 +60,8 @@ def paired_bootstrap(
     n_boot: int = 4000,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Difference of language-mean accuracy a - b on the same items: estimate, 95 % CI, p.
-
-    Items are resampled jointly (paired), so item difficulty cancels and the interval is the
-    honest test of "a beats b"; ``p_le_0`` is the bootstrap share of differences <= 0.
-    """
+    """Difference of language-mean accuracy a - b on the same items, resampled jointly so item
+    difficulty cancels: estimate, 95 % CI and ``p_le_0``, the share of differences <= 0."""
     import numpy as np
 
     d = {k: [x - y for x, y in zip(a[k], b[k], strict=True)] for k in a}
@@ -124,7 +118,7 @@ def non_english(d: Mapping[str, Sequence[float]]) -> dict[str, Sequence[float]]:
     return {k: v for k, v in d.items() if k != "en"}
 
 
-#: The per-item results the research runner scores (``runner.Runner.run``).
+#: The per-item results the transformers runner scores (``runner.Runner.run``).
 METRICS: tuple[str, ...] = ("correct", "logp", "logp_tok", "english", "chinese", "recall_any")
 
 
@@ -134,9 +128,8 @@ def summarise(
     base: Sequence[Mapping] | None = None,
     keys: Sequence[str] = METRICS,
 ) -> dict[str, Any]:
-    """Per language and non-English mean (mean of language means, bootstrap 95 % CI) of every
-    metric of runner results; with ``base`` (same items), paired differences with paired
-    bootstrap CIs."""
+    """Per language and non-English mean (with bootstrap 95 % CI) of every metric of runner
+    results; with ``base`` (same items), paired differences with paired bootstrap CIs."""
     import numpy as np
 
     out: dict[str, Any] = {"n": len(res)}

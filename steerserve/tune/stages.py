@@ -1,14 +1,5 @@
-"""The stages of ``steerserve tune``, each reading and writing files in the work folder:
-
-    extract   -> candidates.safetensors (+ .json)   per-layer candidate vectors
-    calibrate -> calibration.json                   the pair chosen on the selection half
-    confirm   -> confirm.json                       that pair vs unsteered on the other half
-    gate      -> gates.json, artifact/NAME/VERSION  the rule's decision; the gated artifact
-    test      -> test.json, replies.jsonl           the test split, once, reported only
-    publish   -> OUT/ (+ report.md/json, *.png)     the artifact and its report
-
-Why files: a stage that finished is never run again (``pipeline`` skips it on a resumed run),
-and each output is written whole or not at all, so an interrupted run leaves no half file.
+"""The stages of ``steerserve tune`` (extract, calibrate, confirm, gate, test, publish), each
+writing its outputs whole into the work folder, so a finished stage never runs again.
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from steerserve.tune.config import Parts, TuneConfig
-from steerserve.tune.files import read_json, write_json
+from steerserve.tune.reporting import read_json, write_json
 
 Log = Callable[[str], None]
 

@@ -1,6 +1,5 @@
-"""The report a tune publishes beside its artifact (``report.md``, ``report.json``,
-``gates.png``): enough for a person to decide whether to serve it, and one verdict line
-``steerserve vectors show`` prints.
+"""The report a tune publishes beside its artifact: enough to decide whether to serve it, and
+the verdict line ``steerserve vectors show`` prints.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def verdict(gates: Mapping[str, Any], test: Mapping[str, Any]) -> str:
 
 def build(ctx: Any) -> dict[str, Any]:
     """The report's data, from the work folder's stage outputs."""
-    from steerserve.tune.files import read_json
+    from steerserve.tune.reporting import read_json
 
     w = ctx.work
     cal, gates, test = (read_json(w / f) for f in ("calibration.json", "gates.json", "test.json"))

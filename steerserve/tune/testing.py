@@ -1,9 +1,5 @@
-"""The test stage of ``steerserve tune``: the untouched test records, once, through the vLLM
-engine as the server serves them, in three arms: ``unsteered``, ``auto`` (each record steered
-at its language's gate, as ``steering: "auto"`` would) and ``both`` (``steering: true``).
-
-Why only reported: the gates were decided on the confirmation half before this ran; a gate
-moved by these numbers would make them one more selection, not a test.
+"""The test stage: the untouched test records once through the engine (``unsteered``, ``auto``,
+``both``); only reported, since a gate moved by them would make them one more selection.
 """
 
 from __future__ import annotations
@@ -35,8 +31,8 @@ def run_test(ctx: Any) -> None:
 
     from steerserve.artifacts import load_artifact
     from steerserve.tune import evaluate as ev
-    from steerserve.tune.files import write_json
     from steerserve.tune.replies import budget, judge, write_replies
+    from steerserve.tune.reporting import write_json
 
     records = ctx.parts.test
     art = load_artifact(ctx.artifact_dir, model_dir=ctx.model_dir)

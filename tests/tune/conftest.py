@@ -1,4 +1,4 @@
-"""Fixtures of the research tests that drive the research runner on the tiny random Gemma 3."""
+"""Fixtures of the tune tests that drive the transformers runner on the tiny random Gemma 3."""
 
 from __future__ import annotations
 

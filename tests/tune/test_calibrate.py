@@ -160,7 +160,7 @@ def test_grid_refuses_unknown_positions() -> None:
     assert cal.Grid.for_layers(28).recall_layers == (6, 9, 12, 16)
 
 
-@pytest.mark.heavy  # builds the research engine through the CLI (100 s here): not in test-fast
+@pytest.mark.heavy  # builds the engine through the CLI (100 s here): not in test-fast
 def test_cli_chat_form_calibrate_then_eval(cands: Candidates, tiny_gemma: Path, tmp_path: Path):
     """Chat records end to end: calibrate on chat records from a file (held-out half: every
     other record of each language), then eval on the built-in split in the artifact's form."""

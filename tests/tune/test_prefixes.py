@@ -68,7 +68,7 @@ def test_log_p_is_forced_after_the_prefix(runner: Runner) -> None:
     whole = runner.tok("首都は" + rec["answers"][0], add_special_tokens=False)["input_ids"]
     assert aliases2[0] == whole[len(tail) :]
     assert encode(runner.tok, {**rec, "reply_prefix": ""}) == (ids, aliases)
-    res, _ = runner.run([rec, pre], [None], progress=False)
+    res = runner.run([rec, pre], [None], progress=False)
     assert res[0][0]["logp"] != res[0][1]["logp"]  # a different position, a different score
     with_own = px.at_answer_position(runner, [rec])
     assert with_own[0]["prefix_source"] in {"own", "template", "none"}

@@ -1,4 +1,4 @@
-"""The research runner's mechanics on a tiny random Gemma 3: forced log P, greedy, and edits
+"""The transformers runner's mechanics on a tiny random Gemma 3: forced log P, greedy, and edits
 against plain full forwards and the transformers steering reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from steerserve.engine.spec import SteeringEntry
 from steerserve.tune.reference import greedy, phases, steering_hooks
-from steerserve.tune.runner import Edit, Runner, decided, encode, entry_edits
+from steerserve.tune.runner import Runner, decided, encode, entry_edits
 from steerserve.tune.scorer import score
 from steerserve.tune.scoring import summarise
 
@@ -40,30 +40,13 @@ def _forced_logp(runner: Runner, rec: dict, entries=(), vectors=None) -> float:
 
 
 def test_forced_logp_and_greedy_match_full_forwards(runner: Runner) -> None:
-    (res,), _ = runner.run(RECORDS, progress=False)
+    (res,) = runner.run(RECORDS, progress=False)
     for rec, r in zip(RECORDS, res, strict=True):
         assert r["logp"] == pytest.approx(_forced_logp(runner, rec), abs=1e-4)
         ids, _ = encode(runner.tok, rec)
         toks, _ = greedy(runner.model, ids, 8)
         ref = score(runner.tok.decode(toks, skip_special_tokens=True), rec["answers"], ["Paris"])
         assert (r["correct"], r["english"]) == (ref.correct, ref.english)
-
-
-def test_replacing_a_state_by_itself_changes_nothing(runner: Runner) -> None:
-    (base,), states = runner.run(RECORDS, capture=True, progress=False)
-    assert states is not None and states.shape[:2] == (len(RECORDS), runner.num_layers)
-    edits = [Edit.of(f"self@{ly}", ly, "replace", states[:, ly]) for ly in range(runner.num_layers)]
-    edits.append(Edit.of("interp", 1, "interp", states[:, 1], scale=0.5))
-    edits.append(
-        Edit.of(
-            "zero", 2, "add", torch.zeros(states.shape[-1]), positions="last_prompt_and_generated"
-        )
-    )
-    res, _ = runner.run(RECORDS, edits, progress=False)
-    for per_edit in res:
-        for a, b in zip(per_edit, base, strict=True):
-            assert a["text"] == b["text"]
-            assert a["logp"] == pytest.approx(b["logp"], abs=1e-4)
 
 
 @pytest.mark.parametrize("positions", ["last_prompt_and_generated", "all", "generated", "pair"])
@@ -75,7 +58,7 @@ def test_entries_equal_reference_steering(runner: Runner, positions: str) -> Non
                    SteeringEntry("w", 2, -0.5, "all")]  # fmt: skip
     else:
         entries = [SteeringEntry("v", 1, 0.7, positions)]
-    (res,), _ = runner.run(RECORDS, [entry_edits(entries, vecs)], False, False)
+    (res,) = runner.run(RECORDS, [entry_edits(entries, vecs)], False)
     for rec, r in zip(RECORDS, res, strict=True):
         assert r["logp"] == pytest.approx(_forced_logp(runner, rec, entries, vecs), abs=1e-3)
         assert r["logp"] != pytest.approx(_forced_logp(runner, rec), abs=1e-3)
@@ -95,7 +78,7 @@ def test_every_op_equals_reference_steering(
     g = torch.Generator().manual_seed(2)
     vecs = {n: torch.randn(runner.model.config.hidden_size, generator=g) for n in ("v", "w")}
     entries = [SteeringEntry("w", 1, 0.5, "all"), SteeringEntry("v", 1, scale, positions, op)]
-    (res,), _ = runner.run(RECORDS, [entry_edits(entries, vecs)], False, False)
+    (res,) = runner.run(RECORDS, [entry_edits(entries, vecs)], False)
     for rec, r in zip(RECORDS, res, strict=True):
         assert r["logp"] == pytest.approx(_forced_logp(runner, rec, entries, vecs), abs=1e-3)
 
@@ -141,7 +124,7 @@ def test_chat_records_are_rendered_as_served_and_scored_by_the_chat_rule(runner:
     assert ids == chat_ids(runner.tok, CHAT["messages"])
     assert aliases == [runner.tok("パリ", add_special_tokens=False)["input_ids"],
                        runner.tok("巴里", add_special_tokens=False)["input_ids"]]  # fmt: skip
-    (res,), _ = runner.run([CHAT], progress=False)
+    (res,) = runner.run([CHAT], progress=False)
     best = -float("inf")
     for a in aliases:
         with torch.no_grad():

@@ -200,7 +200,7 @@ def synthetic(tiny_llama: Path, tmp_path_factory) -> dict:
         got = [r for split in ("calib", "test") for r in eval_records(split, shots=1, langs=[lang])]
         records += [{**r, "answers_en": []} for r in got[:90]]
     torch.manual_seed(0)
-    res, _ = Runner(model, tok, 64).run(records, [None, edits], progress=False)
+    res = Runner(model, tok, 64).run(records, [None, edits], progress=False)
     items = []
     for r, b, s in zip(records, res[0], res[1], strict=True):
         tb, ts = normalise(b["text"]), normalise(s["text"])

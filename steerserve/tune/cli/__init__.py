@@ -1,6 +1,5 @@
-"""The package's commands, one file each: ``steerserve tune`` and the ``steerserve lab`` steps.
-
-Each parses its options into its stage's config and calls that stage's ``run``; no logic here.
+"""The package's commands, one file each: ``steerserve tune`` and the ``steerserve lab`` steps;
+each parses its options into its stage's config and calls that stage's ``run``.
 """
 
 from __future__ import annotations

@@ -107,9 +107,8 @@ def calibrate(
     ),
 ) -> None:
     """Sweep layer x scale x variant jointly on the calibration split; save the artifact.
-
-    With --objective logp (the default) the winner is chosen on one half of the calibration
-    facts and re-checked on the other; the artifact records whether it confirmed."""
+    With --objective logp (the default) the winner is chosen on one half of the calibration facts
+    and re-checked on the other; the artifact records whether it confirmed."""
     from steerserve.tune import calibrate_run as run
 
     grid = o.sweep_grid(

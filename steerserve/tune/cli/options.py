@@ -1,7 +1,5 @@
-"""What the commands share: option declarations, list parsers, and how a stage's refusal is said.
-
-Why one home: calibrate and tune sweep the same grid, and every command takes the same model
-option; declared once, their help cannot drift apart.
+"""What the commands share: option declarations, list parsers and how a refusal is said;
+declared once, the help of calibrate and tune cannot drift apart.
 """
 
 from __future__ import annotations

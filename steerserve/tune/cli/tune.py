@@ -85,9 +85,8 @@ def tune(
     threads: int = o.TORCH_THREADS,
     stop_after: str = STOP_AFTER,
 ) -> None:
-    """Extract, calibrate (selection half), confirm (other half, per language), gate, test once,
-    publish: an artifact whose auto steers only the languages it was shown to help, with a
-    report beside it. Resumable: the same command again continues where a run stopped."""
+    """Extract, calibrate, confirm per language, gate, test once, publish: an artifact whose auto
+    steers only the languages it was shown to help. The same command again resumes a stopped run."""
     from steerserve.tune.config import TuneConfig
     from steerserve.tune.gate import GateSettings
     from steerserve.tune.pipeline import run

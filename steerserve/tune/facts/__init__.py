@@ -1,8 +1,5 @@
-"""The multilingual fact set and its evaluation records.
-
-The data (facts, splits, prompts) is ``facts.dataset``; the chat form's messages are
-``facts.chat``; this package joins them into records of the ``eval --dataset`` schema (kept here,
-above both, so neither imports the other's parent).
+"""The multilingual fact set and its evaluation records: ``dataset`` holds the data, ``chat``
+the chat form; this package joins them (above both, so neither imports the other's parent).
 """
 
 from __future__ import annotations
@@ -40,16 +37,8 @@ def eval_records(
     part: tuple[int, int] = (0, 1),
     form: str = "completion",
 ) -> list[dict]:
-    """Evaluation items in the ``eval --dataset`` schema, grouped by language.
-
-    Facts of a language are listed with relations interleaved, better-known entities first.
-    ``part=(k, n)`` keeps every n-th fact of each relation from the k-th on (``(0, 2)`` and
-    ``(1, 2)`` are two disjoint halves alike in relations and familiarity); ``limit_per_lang`` then
-    takes the first N. ``form``: ``completion`` records hold a ``shots``-shot ``prompt`` (default
-    3); ``chat`` records hold ``messages`` (``facts.chat``: zero-shot by default, earlier turns as
-    demonstrations otherwise) and ``answers_zh``, the Chinese answer of the same fact (a likely
-    pivot language), for the same facts and splits.
-    """
+    """Evaluation items in the ``eval --dataset`` schema by language: ``part=(k, n)`` keeps every
+    n-th fact of each relation from the k-th (disjoint halves alike), in ``form``."""
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; known: {', '.join(FORMS)}")
     shots = default_shots(form, shots)

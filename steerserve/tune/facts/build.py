@@ -1,17 +1,5 @@
-"""Build ``facts.jsonl``: a multilingual fact set derived offline from CLDR (via babel).
-
-Run ``python -m steerserve.tune.facts.build`` to regenerate (``--check`` only compares). The output is a
-pure function of this file and babel's CLDR data, so a rebuild is byte-identical.
-
-Relations (subject -> answer):
-- ``capital_of``: country -> capital. CLDR has no capitals, so capitals are hand-listed as the
-  timezone whose exemplar city is the capital (localized by CLDR).
-- ``city_in``: a well-known non-capital city (a timezone exemplar city) -> its country.
-- ``language_of``: country -> official language(s) spoken by >= 10 % (CLDR territory info).
-- ``currency_of``: country -> legal tender currency, with short forms ("yen" for "Japanese Yen").
-
-Aliases never fold diacritics: es "París" must not accept the English "Paris", since answering in
-English instead of the query language is exactly the failure the steering vectors address.
+"""Build ``facts.jsonl`` offline from CLDR (``python -m steerserve.tune.facts.build``, ``--check``
+compares); aliases never fold diacritics: es "París" must not accept the English "Paris".
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""The fact set's chat form: one zero-shot question per relation and language, as a user would
-type it, after a one-line instruction to answer with the name only.
-
-The instruction is a **system message**, not a prefix of the question: the user turn then is
-exactly what users send, every item of a language shares the same rendered prefix (cached once
-by the engine), and a template that injects its own default system prompt when none is given
-(Qwen2.5's is English: "You are Qwen, created by Alibaba Cloud...") gets a native one instead of
-an English one in front of every non-English question.
-
-CLDR gives bare names without article or case, so questions keep the subject in the nominative:
-where the natural phrasing would inflect it (fr "de la France", it "della Francia", ru "Франции")
-the subject stands alone or in apposition ("страны Франция").
+"""The fact set's chat form: one zero-shot question per relation and language after a native
+system instruction (one cached prefix per language, no template's English default prompt).
 """
 
 from __future__ import annotations
@@ -83,11 +73,8 @@ def question(fact: Fact) -> str:
 def messages(
     fact: Fact, shots: int = 0, seed: int = 0, demos_from: dict[str, Fact] | None = None
 ) -> list[dict[str, str]]:
-    """The chat of ``fact``: the instruction as a system message, ``shots`` demonstrations as
-    earlier user/assistant turns (train facts, :func:`shots_for`), then the question.
-
-    ``demos_from`` maps a demonstration's fact id to the fact to show instead (its English twin
-    for the "mixed" extraction variant)."""
+    """The chat of ``fact``: the instruction, ``shots`` demonstrations as earlier turns, then the
+    question; ``demos_from`` swaps a demonstration for another fact (its English twin: "mixed")."""
     out = [{"role": "system", "content": INSTRUCTION[fact.lang]}]
     for s in shots_for(fact, shots, seed) if shots else []:
         s = (demos_from or {}).get(s.fact_id, s)
