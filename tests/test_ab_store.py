@@ -13,6 +13,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -218,6 +219,8 @@ def test_two_replicas_one_store_join_feedback_and_report(backend: Backend, tmp_p
         "written": 70,
         "queued": 0,
         "dropped": 0,
+        "unaccounted": 0,
+        "unaccounted_replicas": [],
     }
     assert from_store == from_logs
     assert from_store["requests"] == 40
@@ -361,8 +364,8 @@ def test_a_restart_keeps_the_queue(backend: Backend, tmp_path: Path) -> None:
             d.record(f"id-{i}", {"experiment": "restart", "arm": "steered"})
         d.feedback("id-3", 1.0)
         d.store.close(timeout=0.5)
-        (kept,) = spill.iterdir()
-        assert len(kept.read_text().splitlines()) == 11 and d.store.dropped == 0
+        (kept,) = spill.iterdir()  # the write-ahead file is gone: the spill holds the queue
+        assert len(kept.read_text().splitlines()) == 1 + 11 and d.store.dropped == 0
         shutil.copy(kept, tmp_path / "copy")
     again = replica(backend.url, spill=spill)
     assert again.store.flush(120)
@@ -373,6 +376,182 @@ def test_a_restart_keeps_the_queue(backend: Backend, tmp_path: Path) -> None:
     assert third.store.flush(120)
     third.close()
     assert counts(backend.url) == (10, 1)
+
+
+# --- the race between replicas, a backlog, a killed replica -------------------------------------
+
+
+def _decided_by_two_statements(store: Any, cur: Any, rec: dict[str, Any], replica: str) -> Any:
+    """The feedback path before issue 57: an UPDATE that found no row, then a SELECT to tell an
+    unknown id from a full cap (under READ COMMITTED, each sees its own moment)."""
+    from steerserve.server.ab.store.schema import DECISIONS
+
+    rid = str(rec["id"])
+    cur.execute(
+        f"UPDATE {DECISIONS} SET feedback_count = feedback_count + 1 "
+        "WHERE id = ? AND feedback_count < ? RETURNING experiment",
+        (rid, MAX_FEEDBACK_PER_ID),
+    )
+    if cur.fetchone() is None:
+        cur.execute(f"SELECT 1 FROM {DECISIONS} WHERE id = ?", (rid,))
+        raise KeyError(rid) if cur.fetchone() is None else FeedbackLimit(rid)
+    return {}, True
+
+
+def test_a_decision_committed_between_a_feedbacks_statements_is_not_over_the_cap(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 57's false 429: replica b takes feedback for an answer of replica a while a commits
+    the answer's decision, driven deterministically: a's commit runs right after b's first
+    statement. b's feedback is "not there yet" (the server asks again, then joins it), never
+    over the cap, and the retry is written once. The same interleaving through the old
+    two-statement path calls that first score over the cap on PostgreSQL (READ COMMITTED);
+    SQLite's write lock keeps a's commit out until b's transaction ends."""
+    from steerserve.server.ab.store import base
+
+    a, b = replica(backend.url), replica(backend.url)
+    rec = decision("carol", 0, Experiment("race", 0.5))
+    real, fired = base._Cursor.execute, []
+
+    def commit_a_midway(self: Any, sql: str, params: Any = ()) -> None:
+        real(self, sql, params)
+        mine = threading.current_thread() is threading.main_thread()
+        if mine and not fired and "steerserve_ab_decisions" in sql and "INSERT" not in sql:
+            fired.append(sql)
+            a.record(f"raced-{len(results)}", rec)
+            fired.append(a.store.flush(3))  # PostgreSQL: committed; SQLite: b holds the lock
+
+    results: list[str] = []
+    monkeypatch.setattr(base._Cursor, "execute", commit_a_midway)
+    for path in ("locked read", "two statements"):
+        fired.clear()
+        if path == "two statements":
+            monkeypatch.setattr(
+                b.store.store,
+                "_feedback",
+                lambda cur, r, n: _decided_by_two_statements(b.store.store, cur, r, n),
+            )
+        try:
+            b.feedback(f"raced-{len(results)}", 1.0)
+            results.append("joined")
+        except KeyError:
+            results.append("not found yet")
+        except FeedbackLimit:
+            results.append("over the cap")
+        assert fired and fired[1] is (backend.kind == "postgres"), fired
+    monkeypatch.undo()
+    assert results[0] == "not found yet"
+    assert results[1] == ("over the cap" if backend.kind == "postgres" else "not found yet")
+    assert a.store.flush(60)
+    assert b.feedback("raced-0", 1.0)["experiment"] == "race"  # the server's retry: joined
+    with open_store(backend.url, migrate=False) as store, store._tx() as cur:
+        cur.execute("SELECT feedback_count FROM steerserve_ab_decisions WHERE id = 'raced-0'")
+        assert cur.fetchone()[0] == 1
+    assert counts(backend.url) == (2, 1)
+    a.close()
+    b.close()
+
+
+def test_feedback_behind_another_replicas_backlog_is_a_retryable_503(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an outage replica a's queue drains in batches; b, asked for feedback on an answer
+    still in a's queue, says 503 with Retry-After (a reports its backlog), never 404; once a's
+    queue is written, b joins the same feedback."""
+    import asyncio
+    import threading
+
+    from steerserve.server.ab import service
+    from steerserve.server.ab.store import writer as writer_mod
+    from steerserve.server.errors import ApiError
+
+    a, b = replica(backend.url), replica(backend.url)
+    monkeypatch.setattr(writer_mod, "BATCH", 1)
+    held, real, calls = threading.Event(), a.store.store.write, []
+
+    def behind(batch: Any, rep: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 1:
+            held.wait(60)
+        return real(batch, rep)
+
+    monkeypatch.setattr(a.store.store, "write", behind)
+    exp = Experiment("backlog", 0.5)
+    for i in range(5):
+        a.record(f"late-{i}", decision(f"u{i}", i, exp))
+    deadline = time.monotonic() + 60
+    while not b.store.backlog() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(service.feedback_joined(b, "late-4", 1.0))
+    assert (e.value.status, e.value.code, e.value.headers) == (
+        503, "decision_pending", {"Retry-After": "2"},
+    )  # fmt: skip
+    held.set()
+    assert a.store.flush(60)
+    assert asyncio.run(service.feedback_joined(b, "late-4", 1.0))["experiment"] == "backlog"
+    a.close()
+    b.close()
+
+
+KILL_SCRIPT = """
+import sys, time
+from steerserve.server.ab.store import open_writer
+from steerserve.server.ab.experiment import DecisionLog, Decisions
+d = Decisions(DecisionLog(None), open_writer(sys.argv[1], sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.readline()  # the store is down from here
+for i in range(60):
+    print("decision", i, d.record(f"k{i}", {"experiment": "kill", "arm": "steered"}), flush=True)
+for i in range(0, 60, 6):  # this replica's own answers: queued behind their decisions
+    print("feedback", i, d.feedback(f"k{i}", 1.0)["arm"], flush=True)
+print("done", d.store.queued, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_replica_killed_during_an_outage_loses_nothing_it_acknowledged(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """A replica answers 60 requests and 10 feedbacks while the store is down (all queued),
+    then is killed with SIGKILL; the next process on its folder replays its write-ahead file:
+    every acknowledged record is in the store, the report counts nothing dropped or
+    unaccounted, and the dead replica's row says it was recovered."""
+    import signal
+
+    spill = tmp_path / "spill"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, backend.url, str(spill)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with backend.down():
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            said = []
+            while not (line := child.stdout.readline()).startswith("done"):
+                said.append(line.split())
+            child.send_signal(signal.SIGKILL)
+            child.wait(60)
+        acked = [w for w in said if w[2] in ("True", "steered")]
+        assert len(acked) == 70 and line.split()[1] == "70"  # all still queued when killed
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert counts(backend.url) == (0, 0)  # nothing reached the store before the kill
+    again = replica(backend.url, spill=spill)
+    assert again.store.flush(120)
+    again.close()
+    assert counts(backend.url) == (60, 10)
+    rep = ab_report.report(backend.url)
+    assert rep["store"]["dropped"] == 0 and rep["store"]["unaccounted"] == 0, rep["store"]
+    rows = open_store(backend.url, migrate=False).replicas()
+    assert [r["status"] for r in rows if r["replica"].endswith(f":{child.pid}")] == ["recovered"]
+    assert list(spill.iterdir()) == []
 
 
 # --- start-up errors and credentials --------------------------------------------------------------

@@ -105,12 +105,18 @@ def test_explicit_steering_wins_and_no_subject_is_unenrolled(http: httpx.Client)
     assert alone["applied"] is False and alone["policy"] == "off"
     assert alone["experiment"] == {"name": NAME, "arm": "unenrolled", "subject_hash": None}
     r = http.post("/v1/chat/completions/ab", json=chat_body(FR, max_tokens=2, user=steered))
-    assert r.status_code == 200 and "experiment" not in r.json()["steered"]["steering"], r.text
+    assert r.status_code == 200, (
+        r.text
+    )  # issue 57: an A/B pair is recorded as one, for a preference
+    assert {r.json()[a]["steering"]["experiment"]["arm"] for a in ("steered", "unsteered")} == {
+        "pair"
+    }
 
 
 def test_metrics_and_log_carry_the_arm(server: Server, http: httpx.Client, root: Path) -> None:
-    lines = [x for x in log_lines(root) if x["type"] == "decision"]
-    assert len(lines) == len(USERS) + 40  # enrolled and answered only
+    decided = [x for x in log_lines(root) if x["type"] == "decision"]
+    lines = [x for x in decided if x["arm"] != "pair"]  # the /ab pair: one line of its own
+    assert len(lines) == len(USERS) + 40 and len(decided) == len(lines) + 1  # enrolled only
     for arm in ("steered", "unsteered"):
         mine = [x for x in lines if x["arm"] == arm]
         labels = {"experiment": NAME, "arm": arm}

@@ -248,6 +248,7 @@ def test_embedded_quantization_chooses_the_4bit_checkpoint_or_says_why_not(
 
     from transformers import AutoModelForCausalLM
 
+    from steerserve.engine import cpu
     from steerserve.models import W4_DIR
     from steerserve.models import quantize as Q
     from steerserve.server.options import OptionError, read, settings
@@ -256,6 +257,10 @@ def test_embedded_quantization_chooses_the_4bit_checkpoint_or_says_why_not(
         return settings(read(given))
 
     monkeypatch.setattr("os.environ", dict(os.environ))  # settings() binds the CPU threads
+    if cpu.w4_missing():  # vLLM's AVX2 build: w4 refused, naming why; auto falls back
+        with pytest.raises(OptionError, match="no 4-bit kernel"):
+            serve(model=str(tiny_llama), embedded_quantization="w4")
+    monkeypatch.setattr(cpu, "w4_missing", lambda on_gpu=False: None)  # the rules past it
     with pytest.raises(OptionError, match="no 4-bit checkpoint") as e:
         serve(model=str(tiny_llama), embedded_quantization="w4")
     assert e.value.param == "--embedded-quantization"

@@ -167,7 +167,7 @@ def test_experiments_page_is_live_and_ab_report(
     updates live, downloads the report, and shows replies only with --ab-log-content."""
     with_key(page, server.url + "/experiments")
     page.wait_for_selector("#setup h2")
-    assert "Running: experiment pages-exp" in page.locator("#setup h2").text_content()
+    assert f"Experiment {NAME}: running" in page.locator("#setup h2").text_content()
     arms = {u: Experiment(NAME, 0.5).assign(u).arm for u in USERS}
     assert set(arms.values()) == {"steered", "unsteered"}
     for i, user in enumerate(USERS):

@@ -411,7 +411,8 @@ def test_dead_engine_fails_health_and_exits_non_zero(
     previous test's server restarted, it puts every user in the same A/B arm and takes feedback
     for the answers that server gave (it reads them back from the decision log)."""
     log = Path(ab_env["STEERSERVE_AB_LOG"])
-    before = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    before = [x for x in lines if x["type"] == "decision"]  # not the registry's phase lines
     unset = {"STEERSERVE_DTYPE": None, BIND: None}
     with serving(tiny_llama, tmp_path, **unset, **ab_env) as srv:
         arms = _ab_arms(srv.url)

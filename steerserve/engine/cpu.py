@@ -62,6 +62,19 @@ def w4_kernel(dtype: str, env: MutableMapping[str, str] | None = None) -> str:
     return f"w4a16 (cpu_gemm_wna16, {'amx' if amx else 'vec'})"
 
 
+def w4_missing(on_gpu: bool = False) -> str | None:
+    """Why this machine's vLLM build cannot run the 4-bit checkpoint, or None. vLLM's CPU wheel
+    loads its AVX2 library on a CPU without AVX-512, and that one has neither 4-bit kernel."""
+    if on_gpu:
+        return None
+    import torch
+    import vllm._custom_ops  # noqa: F401 (registers torch.ops._C's CPU kernels)
+
+    if hasattr(torch.ops._C, "cpu_gemm_wna16") or hasattr(torch.ops._C, "int4_scaled_mm_cpu"):
+        return None
+    return "vLLM's CPU build loaded here has no 4-bit kernel (cpu_gemm_wna16, int4_scaled_mm_cpu)"
+
+
 def serve_w4(choice: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
     """Whether ``--embedded-quantization choice`` serves the 4-bit checkpoint where there is one. ``auto``:
     on a CPU with one of W4_AUTO_FLAGS (where it was measured faster); never on a GPU."""

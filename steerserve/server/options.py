@@ -343,7 +343,7 @@ def _w4_name(model: Path) -> str | None:
 def _w4_dir(s: ServeSettings, model_dir: Path, on_gpu: bool) -> Path | None:
     """The 4-bit checkpoint to serve, or None for ``model_dir`` itself. ``w4`` that cannot be
     honoured is an OptionError naming why; ``auto`` falls back to full precision, saying why."""
-    from steerserve.engine.cpu import W4_DTYPES, serve_w4
+    from steerserve.engine.cpu import W4_DTYPES, serve_w4, w4_missing
     from steerserve.models import w4_dir
 
     choice = s.embedded_quantization
@@ -351,7 +351,9 @@ def _w4_dir(s: ServeSettings, model_dir: Path, on_gpu: bool) -> Path | None:
         return None
     # The dtype first: w4_dir writes the sibling on first use (minutes), not to be refused after.
     why, w4 = None, None
-    if s.dtype not in ("auto", *W4_DTYPES):
+    if missing := w4_missing(on_gpu):
+        why = missing
+    elif s.dtype not in ("auto", *W4_DTYPES):
         why = f"4-bit weights compute in {' or '.join(W4_DTYPES)}, not --dtype {s.dtype}"
     elif (w4 := w4_dir(model_dir)) is None:
         why = f"{model_dir} has no 4-bit checkpoint (written for the embedded chat model)"

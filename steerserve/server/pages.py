@@ -31,6 +31,7 @@ from steerserve.server.ab.design import RUNNING, STOPPED, DesignError
 from steerserve.server.ab.experiment import StoreUnavailable
 from steerserve.server.ab.store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
+from steerserve.server.protocol import ERRORS as BODY_ERRORS
 
 if TYPE_CHECKING:
     from steerserve.server.ab.store import Store
@@ -178,6 +179,7 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 CONTROL = {
+    **BODY_ERRORS,
     **REFUSED,
     404: {"model": ErrorResponse, "description": "this server runs no experiment of that name"},
     409: {"model": ErrorResponse, "description": "the allocation or phase change is refused"},
@@ -243,6 +245,7 @@ async def _control(
 
 
 PREFERENCE = {
+    **BODY_ERRORS,
     404: {"model": ErrorResponse, "description": "no pair of the experiment has this id"},
     409: {"model": ErrorResponse, "description": "judged already, or no decision log"},
     503: {"model": ErrorResponse, "description": "the store is unreachable, or still writing"},

@@ -188,7 +188,7 @@ def experiment_report(
     latest = next((p for p in reversed(listed) if p["requests"]), listed[-1])
     out = {k: v for k, v in latest.items()} | {"phases": listed}
     out["status"] = (info or {}).get("status")
-    out["note"] = (info or {}).get("note")
+    out["note"] = (info or {}).get("note") or None  # the store keeps no empty note
     out["current_phase"] = listed[-1]["phase"]
     return out
 

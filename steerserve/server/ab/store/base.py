@@ -393,11 +393,17 @@ class Store:
         return out
 
     def recovered(self, name: str) -> None:
-        """Another process replayed ``name``'s queue (its write-ahead file): it holds none."""
+        """Another process replayed ``name``'s queue (its write-ahead file): it holds none. A
+        replica killed before its first write has no row yet: it gets one, so it is listed."""
+        import time
+
+        now = time.time()
         with self._tx() as cur:
             cur.execute(
-                f"UPDATE {REPLICAS} SET queued = 0, status = ? WHERE replica = ?",
-                (RECOVERED, name),
+                f"INSERT INTO {REPLICAS} (replica, started, seen, written, queued, dropped, status) "
+                "VALUES (?, ?, ?, 0, 0, 0, ?) ON CONFLICT (replica) DO UPDATE SET queued = 0, "
+                "status = excluded.status",
+                (name, now, now, RECOVERED),
             )
 
 
