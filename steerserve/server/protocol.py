@@ -407,6 +407,10 @@ class MessagesRequest(_VMessages):
                 )
             if key not in cls.model_fields:
                 raise PydanticCustomError("extra_forbidden", "unrecognized", {"field": key})
+        if data.get("messages") == []:  # vLLM's conversion indexes the first message
+            raise PydanticCustomError(
+                "too_short", "at least one message is required", {"field": "messages"}
+            )
         if (path := _out_of_range(data)) is not None:
             raise PydanticCustomError(
                 "range",

@@ -56,7 +56,12 @@ def enrol(
 
 
 def _subject(request: Request, req: Any) -> str | None:
-    subject = req.user
+    """Who the split assigns: OpenAI's ``user``, Anthropic's ``metadata.user_id``, else the
+    subject header."""
+    subject = getattr(req, "user", None)
+    meta = getattr(req, "metadata", None)
+    if subject is None and isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
+        subject = meta["user_id"]
     if not subject and (raw := request.headers.get(SUBJECT_HEADER)):
         try:
             subject = header_subject(raw)
