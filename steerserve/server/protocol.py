@@ -330,9 +330,15 @@ def _non_empty(schema: dict[str, Any]) -> None:
 
 
 def _publish_completion(schema: dict[str, Any]) -> None:
-    """:func:`_publish_strict`, and ``prompt`` non-empty at every level (``_empty_prompt``)."""
+    """:func:`_publish_strict`, ``prompt`` non-empty at every level (``_empty_prompt``), and
+    ``prompt_embeds`` as what JSON carries: base64 text (pydantic says ``format: binary``, raw
+    bytes no JSON body holds, which schemathesis fails on inside /invocations' ``oneOf``)."""
     _publish_strict(schema)
     _non_empty(schema["properties"]["prompt"])
+    embeds = schema["properties"].get("prompt_embeds", {})
+    for form in [*embeds.get("anyOf", []), *(f.get("items", {}) for f in embeds.get("anyOf", []))]:
+        if form.pop("format", None) == "binary":
+            form["contentEncoding"] = "base64"
 
 
 def _empty_prompt(prompt: Any) -> str | None:
