@@ -10,8 +10,6 @@ import asyncio
 import hashlib
 import json
 import sqlite3
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +30,6 @@ from steerserve.server.ab.experiment import (
 from steerserve.server.ab.metrics import MetricError, feedback_metric
 from steerserve.server.ab.registry import Registry
 from steerserve.server.ab.store import experiments, open_store, open_writer
-from steerserve.server.ab.store import writer as writer_mod
 from steerserve.server.errors import ApiError
 
 USERS = [f"user-{i}" for i in range(300)]
@@ -213,44 +210,6 @@ def test_preferences_are_bounded_per_pair_and_refused_elsewhere(url: str, tmp_pa
     rep = analysis.report(url)
     pref = rep["preferences"]["ramp"]["treatments"]["v1x1"]["overall"]
     assert (pref["judged"], pref["b"], pref["a"], pref["tie"]) == (1, 1, 0, 0)
-
-
-def test_feedback_while_another_replica_still_writes_is_a_retryable_503(
-    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Replica a's writer is behind (one record a batch, its second batch held): b's feedback for
-    a's last answer is a 503 with Retry-After while a reports its backlog, never a 404; once a
-    has written its queue, the same feedback is joined."""
-    a, b = replica(url, tmp_path, LOW), replica(url, tmp_path, LOW)
-    monkeypatch.setattr(writer_mod, "BATCH", 1)
-    held, real = threading.Event(), a.store.store.write
-    calls = []
-
-    def slow(batch: Any, rep: Any) -> Any:
-        calls.append(1)
-        if len(calls) > 1:
-            held.wait(30)
-        return real(batch, rep)
-
-    monkeypatch.setattr(a.store.store, "write", slow)
-    for i in range(5):
-        answer(a, f"late-{i}", USERS[i])
-    deadline = time.monotonic() + 30
-    while not b.store.backlog() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with pytest.raises(ApiError) as e:
-        asyncio.run(service.feedback_joined(b, "late-4", 1.0))
-    assert e.value.status == 503 and e.value.code == "decision_pending", e.value.message
-    assert e.value.headers == {"Retry-After": "2"}
-    held.set()
-    assert a.store.flush(30)
-    got = asyncio.run(service.feedback_joined(b, "late-4", 1.0))
-    assert got["experiment"] == "ramp"
-    with pytest.raises(ApiError) as e:  # nobody's backlog, nobody's answer: 404 after the grace
-        asyncio.run(service.feedback_joined(b, "nobody", 1.0))
-    assert e.value.status == 404
-    for d in (a, b):
-        d.close()
 
 
 def test_a_dead_processs_write_ahead_file_is_replayed_once_and_a_torn_line_counted(

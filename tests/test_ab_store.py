@@ -494,6 +494,9 @@ def test_feedback_behind_another_replicas_backlog_is_a_retryable_503(
     held.set()
     assert a.store.flush(60)
     assert asyncio.run(service.feedback_joined(b, "late-4", 1.0))["experiment"] == "backlog"
+    with pytest.raises(ApiError) as e:  # nobody's backlog, nobody's answer: 404 after the grace
+        asyncio.run(service.feedback_joined(b, "nobody", 1.0))
+    assert e.value.status == 404
     a.close()
     b.close()
 
