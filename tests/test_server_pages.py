@@ -152,6 +152,51 @@ def test_compare_shows_both_answers_as_text(page: Any, server: Server) -> None:
     assert "translation @ layer 2 × 1 " in page.locator("#arm-steered dd").all_text_contents()[4]
 
 
+def test_a_pair_is_judged_on_the_page_and_through_the_api(
+    page: Any, server: Server, http: httpx.Client, root: Path
+) -> None:
+    """Issue 57: a person clicks "B better" under the two answers on /compare; a client judges
+    another pair through POST /v1/steering/preference; one judgement per pair; both counted in
+    ``ab-report``'s paired preferences and shown on /experiments."""
+    before = ab_report.report(root / "ab.jsonl").get("preferences", {}).get(NAME)
+    judged0 = sum(t["overall"]["judged"] for t in (before or {"treatments": {}})["treatments"]
+                  .values())  # fmt: skip
+    with_key(page, server.url + "/compare")
+    page.fill("#message", "フランスの首都はどこですか？")
+    page.fill("#max_tokens", "4")
+    page.click("#send")
+    expect(page.locator("#status")).to_have_text(DONE, timeout=60_000)
+    page.click("#judge button[data-preference='b']")
+    recorded = re.compile(
+        rf"^recorded: B \(steered\) better \(pair chatcmpl-\S+, experiment {NAME}\)"
+    )
+    expect(page.locator("#judged")).to_have_text(recorded, timeout=15_000)
+    assert page.locator("#judge button[disabled]").count() == 3  # judged once
+    # through the API: the collected pair judged by its common id, once
+    body = {"model": MODEL, "messages": [{"role": "user", "content": JA}], "max_tokens": 4}
+    pair = http.post("/v1/chat/completions/ab", json=body).json()
+    pid = pair["unsteered"]["id"].removesuffix("-a")
+    r = http.post("/v1/steering/preference", json={"id": pid, "preference": "tie"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"object": "steering.preference", "id": pid, "preference": "tie",
+                        "score": 0.0, "experiment": NAME, "language": "ja"}  # fmt: skip
+    again = http.post("/v1/steering/preference", json={"id": pid + "-b", "preference": "a"})
+    assert again.status_code == 409 and again.json()["error"]["code"] == "preference_limit"
+    bad = http.post("/v1/steering/preference", json={"id": pid, "preference": "steered"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "preference", bad.text
+    missing = http.post("/v1/steering/preference", json={"id": "chatcmpl-nope", "preference": "a"})
+    assert missing.status_code == 404, missing.text
+    # reported: two more pairs judged, one B better and one tie
+    prefs = ab_report.report(root / "ab.jsonl")["preferences"][NAME]["treatments"]
+    overall = [t["overall"] for t in prefs.values()]
+    assert sum(o["judged"] for o in overall) == judged0 + 2
+    assert sum(o["b"] for o in overall) >= 1 and sum(o["tie"] for o in overall) >= 1
+    with_key(page, server.url + "/experiments")
+    section = page.locator(f"section[data-preferences='{NAME}']")
+    expect(section.locator("h2")).to_have_text(f"Paired preferences: {NAME}", timeout=15_000)
+    assert section.locator("table.preferences tr").count() >= 2
+
+
 def report_row(
     page: Any, lang: str, arm: str, cells: tuple[str, ...] = ("requests", "scored", "mean", "ci")
 ) -> dict[str, str]:
