@@ -618,14 +618,21 @@ def test_hpa_scales_on_queue_depth() -> None:
 
 
 def test_ab_rollout_splits_users_in_the_server() -> None:
-    """One Deployment whose server splits users (the arm is a hash, the same on every replica),
+    """One StatefulSet whose server splits users (the arm is a hash, the same on every replica),
     every pod writing to one PostgreSQL experiment store whose DSN comes from a Secret, so no
-    session affinity is needed; the store's queue is kept in the pod at a stop; a small
-    PostgreSQL StatefulSet is there to run it on."""
-    (svc,) = named("Service", "ab-rollout.yaml").values()
-    (dep,) = named("Deployment", "ab-rollout.yaml").values()
-    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    session affinity is needed; the write-ahead file and the spill on each pod's own volume
+    (a volumeClaimTemplate: it survives the pod's replacement, issue 57); a small PostgreSQL
+    StatefulSet is there to run it on."""
+    services = named("Service", "ab-rollout.yaml")
+    svc = services["steerserve-ab"]
+    assert not named("Deployment", "ab-rollout.yaml")
+    (dep,) = named("StatefulSet", "ab-rollout.yaml").values()
+    labels = dep["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["selector"].items() <= labels
     assert "sessionAffinity" not in svc["spec"]
+    pods = services[dep["spec"]["serviceName"]]  # the governing Service: headless
+    assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["selector"].items() <= labels
+    assert dep["spec"]["podManagementPolicy"] == "Parallel"
     (c,) = serving(dep)
     assert env_value(c, "STEERSERVE_STEERING") == "off"
     assert 0 < float(env_value(c, "STEERSERVE_AB_SPLIT") or 0) < 1
@@ -637,8 +644,13 @@ def test_ab_rollout_splits_users_in_the_server() -> None:
     assert dsn.startswith("postgresql://") and "optional" not in ref
     spill = env_value(c, "STEERSERVE_AB_STORE_SPILL") or ""
     (mount,) = [m for m in c["volumeMounts"] if spill.startswith(m["mountPath"] + "/")]
-    (vol,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
-    assert "emptyDir" in vol and not mount.get("readOnly")
+    assert not mount.get("readOnly")
+    assert mount["name"] not in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+    (claim,) = [
+        t for t in dep["spec"]["volumeClaimTemplates"] if t["metadata"]["name"] == mount["name"]
+    ]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert "persistentVolumeClaimRetentionPolicy" not in dep["spec"]  # kept when scaled down
     # the database the DSN names: ab-postgres.yaml's StatefulSet, behind its headless Service
     (db,) = named("StatefulSet", "ab-postgres.yaml").values()
     host = dsn.split("@", 1)[1].split(":")[0]
