@@ -68,6 +68,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: starts an engine, server or process (not fast)")
 
 
+#: The slowest tests of the run (setup + call + teardown), written at its end: CI's clone keeps
+#: the file, so a slowdown shows by name without rereading the log (issue 59).
+SLOWEST = Path(__file__).parents[1] / ".work" / "slowest-tests.txt"
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _durations or hasattr(session.config, "workerinput"):
+        return
+    top = sorted(_durations.items(), key=lambda kv: -kv[1])[:15]
+    SLOWEST.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(_durations.values())
+    lines = [f"# {len(_durations)} tests, {total:.0f} s in tests, exit {exitstatus}"]
+    SLOWEST.write_text("\n".join([*lines, *(f"{d:8.1f} s  {n}" for n, d in top)]) + "\n")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     heavy: dict[Path, bool] = {}
     for item in items:
