@@ -564,8 +564,8 @@ def test_serving_pods_probe_ready_and_health() -> None:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, where
             mounts = {m["mountPath"] for m in c["volumeMounts"]}
             assert {"/models", "/dev/shm"} <= mounts, where
-    # every serving workload was checked (the A/B rollout is one Deployment since the split moved
-    # into the server)
+    # every serving workload was checked (the A/B rollout is one StatefulSet: the split is in the
+    # server, and each pod keeps its records' volume)
     assert seen == {
         "ab-rollout.yaml:steerserve-ab",
         "multinode-ray.yaml:steerserve-ray-head",
