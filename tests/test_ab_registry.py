@@ -246,3 +246,33 @@ def test_a_dead_processs_write_ahead_file_is_replayed_once_and_a_torn_line_count
         rep["requests"] == 4 and rep["store"]["dropped"] == 1 and rep["store"]["unaccounted"] == 0
     )
     assert rep["store"]["written"] == sum(int(r["written"]) for r in rows.values())
+
+
+def test_the_page_shows_the_last_report_read_with_its_age_while_the_store_is_down(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/experiments``' data while the store cannot be read: the last report read, said stale,
+    with the time it was read (the page shows its age), never an empty page."""
+    import time
+    from types import SimpleNamespace
+
+    from steerserve.server import pages
+    from steerserve.server.ab.experiment import StoreUnavailable
+
+    d = replica(url, tmp_path, LOW)
+    answer(d, "r1", USERS[0])
+    assert d.store.flush(30)
+    state = SimpleNamespace(decisions=d, metrics=SimpleNamespace(ab_requests=SimpleNamespace(
+        collect=lambda: [])))  # fmt: skip
+    t0 = time.time()
+    up = pages.snapshot(state)
+    assert up["report"]["requests"] == 1 and not up["report_stale"]
+
+    def down(source: Any) -> Any:
+        raise StoreUnavailable("connection refused")
+
+    monkeypatch.setattr(pages, "_report", down)
+    snap = pages.snapshot(state)
+    assert snap["report_stale"] and snap["store"]["read_error"] == "connection refused"
+    assert snap["report"] == up["report"] and t0 <= snap["report_read_at"] <= time.time()
+    d.close()
