@@ -15,7 +15,7 @@ Order on one layer: the non-additive entries first, in entry order, then the add
 Everything else derives from :data:`OPS`: entry validation, wire encoding and cache salt
 (``engine/spec.py``), the worker's buffers (``engine/buffers.py``), the request's JSON schema
 (``server/steering.py``), the artifact's ``Intervention.op`` and its GGUF export
-(``artifacts.py``), the response echo and the research runner's ``Edit.kind``.
+(``artifacts/manifest.py``), the response echo and ``tune/runner.py``'s ``Edit.kind``.
 
 Adding an operation: one :class:`Op` row in :data:`OPS` with its ``reference`` (plain torch on
 the stream, the one function the oracle and the research runner apply); an additive one also

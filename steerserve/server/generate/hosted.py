@@ -178,9 +178,6 @@ class SteeringEngine:
         return tracked
 
 
-# --- vLLM's answers and errors as ours ------------------------------------------------------------
-
-#: vLLM's error ``type`` strings (exception class names) as OpenAI's.
 # --- streamed answers: vLLM's server-sent events, rewritten -------------------------------------
 
 
