@@ -79,7 +79,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if not _durations or hasattr(session.config, "workerinput"):
+    if not _durations:
         return
     top = sorted(_durations.items(), key=lambda kv: -kv[1])[:15]
     SLOWEST.parent.mkdir(parents=True, exist_ok=True)

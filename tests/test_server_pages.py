@@ -158,9 +158,14 @@ def test_a_pair_is_judged_on_the_page_and_through_the_api(
     """Issue 57: a person clicks "B better" under the two answers on /compare; a client judges
     another pair through POST /v1/steering/preference; one judgement per pair; both counted in
     ``ab-report``'s paired preferences and shown on /experiments."""
-    before = ab_report.report(root / "ab.jsonl").get("preferences", {}).get(NAME)
-    judged0 = sum(t["overall"]["judged"] for t in (before or {"treatments": {}})["treatments"]
-                  .values())  # fmt: skip
+
+    def counted() -> tuple[int, ...]:
+        """Judged, B better, ties: ab-report's paired preferences, over the treatments."""
+        rep = ab_report.report(root / "ab.jsonl").get("preferences", {}).get(NAME)
+        overall = [t["overall"] for t in (rep or {"treatments": {}})["treatments"].values()]
+        return tuple(sum(o[k] for o in overall) for k in ("judged", "b", "tie"))
+
+    before = counted()
     with_key(page, server.url + "/compare")
     page.fill("#message", "フランスの首都はどこですか？")
     page.fill("#max_tokens", "4")
@@ -187,10 +192,8 @@ def test_a_pair_is_judged_on_the_page_and_through_the_api(
     missing = http.post("/v1/steering/preference", json={"id": "chatcmpl-nope", "preference": "a"})
     assert missing.status_code == 404, missing.text
     # reported: two more pairs judged, one B better and one tie
-    prefs = ab_report.report(root / "ab.jsonl")["preferences"][NAME]["treatments"]
-    overall = [t["overall"] for t in prefs.values()]
-    assert sum(o["judged"] for o in overall) == judged0 + 2
-    assert sum(o["b"] for o in overall) >= 1 and sum(o["tie"] for o in overall) >= 1
+    judged, b, tie = before
+    assert counted() == (judged + 2, b + 1, tie + 1)
     with_key(page, server.url + "/experiments")
     section = page.locator(f"section[data-preferences='{NAME}']")
     expect(section.locator("h2")).to_have_text(f"Paired preferences: {NAME}", timeout=15_000)
