@@ -22,7 +22,7 @@ the stream, the one function the oracle and the research runner apply); an addit
 gives its ``delta`` (summed into the engine's delta pool), any other its ``affine``, its
 coefficients in the engine's one non-additive kernel
 ``h' = a·h − b·(h·u)·u + c`` (``engine/kernels.py``), or, if it is not of that form, a kernel of its
-own there. ``tests/test_engine_ops.py`` checks every copy against the registry and the kernel
+own there. ``tests/engine/test_engine_ops.py`` checks every copy against the registry and the kernel
 against the reference; the engine tests, parametrised over :func:`engine_ops`, hold a real
 engine to the oracle.
 """

@@ -1,10 +1,11 @@
 """Models: which checkpoint a name means and the embedded models made from packages
-(``embedded``), their 4-bit sibling (``quantize``), tiny random models for tests (``tiny``) and the
-one chat rendering (``chat``). The names below are ``embedded``'s, the package's API."""
+(``catalogue`` pins them, ``conversion`` converts and checks, ``embedded`` resolves and caches), their
+4-bit sibling (``quantize``), tiny random models for tests (``tiny``) and the one chat rendering
+(``chat``). The names below are the package's API."""
 
 from __future__ import annotations
 
-from steerserve.models.embedded import (
+from steerserve.models.catalogue import (
     CHECK_CHATS,
     CHECK_PROMPTS,
     DEFAULT_MODEL,
@@ -22,26 +23,30 @@ from steerserve.models.embedded import (
     EmbeddedModel,
     EmbeddedModelError,
     EmbeddedPackagesMissing,
+    read_marker,
+)
+from steerserve.models.conversion import (
     Reference,
     assemble_gguf,
-    cache_dir,
     check_tokenizer,
     compare_logits,
     convert,
+    fix_tokenizer,
+    reference_outputs,
+    save_checkpoint,
+    verify_conversion,
+    verify_w4,
+    write_w4,
+)
+from steerserve.models.embedded import (
+    cache_dir,
     embedded_conversion,
     ensure_embedded,
     ensure_w4,
-    fix_tokenizer,
     is_valid,
     load_hf_model,
     missing_packages,
     model_dir,
-    read_marker,
-    reference_outputs,
     resolve_model,
-    save_checkpoint,
-    verify_conversion,
-    verify_w4,
     w4_dir,
-    write_w4,
 )

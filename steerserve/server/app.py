@@ -36,20 +36,20 @@ from steerserve.server.answers import (
     ResponsesResponse,
     VectorListing,
 )
+from steerserve.server.body import read_body, read_request
 from steerserve.server.errors import ApiError, ErrorResponse, allowed_methods, api_error
 from steerserve.server.generate import endpoints, pipeline
 from steerserve.server.guard import Guard
+from steerserve.server.openapi import ERRORS, openapi_body, openapi_components, openapi_errors
 from steerserve.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     VectorLoadRequest,
-    openapi_body,
-    openapi_components,
-    read_request,
 )
-from steerserve.server.state import ServerSettings, ServerState
+from steerserve.server.runtime import ServerSettings
+from steerserve.server.state import ServerState
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -162,7 +162,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             and any(d.dependency is require_key for d in route.dependencies)
             for method in route.methods
         }
-        P.openapi_errors(doc, keyed, key=bool(app.state.steer.api_keys))
+        openapi_errors(doc, keyed, key=bool(app.state.steer.api_keys))
         app.openapi_schema = doc
     return app.openapi_schema
 
@@ -188,7 +188,7 @@ def _route(body: type[BaseModel], answer: type[BaseModel], stream: bool = False)
     if stream:
         ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
         ok["description"] = "the answer; with stream: true, server-sent events of chunks"
-    return {"openapi_extra": openapi_body(body), "responses": {200: ok, **P.ERRORS}}
+    return {"openapi_extra": openapi_body(body), "responses": {200: ok, **ERRORS}}
 
 
 def _errors(app: FastAPI) -> None:
@@ -328,7 +328,7 @@ def _invocations_router() -> APIRouter:
         """SageMaker's inference route, as vLLM serves it: a chat body is a chat completion, a
         completions body a completion, a Responses body a response, steered as on /v1."""
         s = _state(request)
-        body = await P.read_body(request, s.settings.max_body_bytes)
+        body = await read_body(request, s.settings.max_body_bytes)
         return await pipeline.handle(s, request, endpoints.invoked(body), body)
 
     return r
@@ -337,7 +337,7 @@ def _invocations_router() -> APIRouter:
 def _v1_router() -> APIRouter:
     r = APIRouter(prefix="/v1")
 
-    @r.get("/models", responses={200: {"model": ModelList}, 401: P.ERRORS[401]})
+    @r.get("/models", responses={200: {"model": ModelList}, 401: ERRORS[401]})
     async def models(request: Request) -> Response:
         s = _state(request)
         max_len = s.backend.max_model_len if s.ready else s.settings.engine.max_model_len
@@ -374,11 +374,18 @@ def _v1_router() -> APIRouter:
         return await pipeline.handle(_state(request), request, endpoints.MESSAGES)
 
     r.include_router(_tokenize_router(""))
+    r.include_router(_steering_router())
+    return r
+
+
+def _steering_router() -> APIRouter:
+    """``/v1/steering/...``: the vectors served (listed, loaded by an admin) and feedback."""
+    r = APIRouter()
 
     @r.get(
         "/steering/vectors",
         response_model=None,
-        responses={200: {"model": VectorListing}, 401: P.ERRORS[401]},
+        responses={200: {"model": VectorListing}, 401: ERRORS[401]},
     )
     async def list_vectors(request: Request) -> dict[str, Any]:
         return _state(request).listing()

@@ -17,7 +17,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._serving(self.registry)
+        self._experiment(self.registry)
+
+    def _serving(self, r: CollectorRegistry) -> None:
         self.queue_depth = Gauge(
             "steerserve_queue_depth",
             "Generation requests in flight (queued or running).",
@@ -61,6 +64,8 @@ class Metrics:
             "queue gauge minus those still being admitted or already answered.",
             registry=r,
         )
+
+    def _experiment(self, r: CollectorRegistry) -> None:
         ab = ["experiment", "arm"]  # arm: steered | unsteered | unenrolled
         self.ab_requests = Counter(
             "steerserve_ab_requests",

@@ -17,13 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from steerserve.server.runtime import ServerSettings
 from steerserve.server.settings import ENGINE_SETTINGS, FIELDS, ServeSettings, env_var, flag, flags
-from steerserve.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
 
-#: Repeatable settings the server keeps as tuples.
-TUPLES = ("forwarded_allow_ips", "allowed_origins", "allowed_methods", "allowed_headers")
 #: Settings whose values may hold a secret (a key, a password in a URL): never echoed in errors.
 SECRETS = ("api_key", "admin_key", "ab_store")
 
@@ -113,7 +111,7 @@ def check_presets(
     starts."""
     from steerserve.server.errors import ApiError
     from steerserve.server.presets import DEFAULTS, check_name, parse_option
-    from steerserve.server.protocol import parse_steering
+    from steerserve.server.steering import parse_steering
 
     names = set(DEFAULTS)
     for text in presets:
@@ -275,21 +273,14 @@ def settings(s: ServeSettings, engine_args: Sequence[str] = ()) -> ServerSetting
     engine.extra.update(passed)
     if "quantization" in passed:  # vLLM's to accept or refuse, before the engine starts
         check_engine_config(engine)
-    # every serve setting the server keeps under its own name, then those it keeps otherwise
-    given = {
-        f.name: getattr(s, f.name) for f in dataclasses.fields(ServerSettings) if f.name in FIELDS
-    }
+    # the 4-bit checkpoint's folder is named w4: serve it under its model's name
+    names = list(s.served_model_name) or [n for n in [_w4_name(Path(engine.model))] if n]
     return ServerSettings(
-        **given
+        **s.model_dump()
         | {
             "engine": engine,
             "vectors_dir": s.vectors_dir or default_vectors_dir(),
-            # the 4-bit checkpoint's folder is named w4: serve it under its model's name
-            "served_model_name": tuple(s.served_model_name) or _w4_name(Path(engine.model)),
-            "api_key": tuple(s.api_key),
-            "admin_key": tuple(s.admin_key),
-            **{n: tuple(getattr(s, n)) for n in TUPLES},
-            "presets": tuple(s.preset),
+            "served_model_name": names,
             "exit_on_failure": True,
         }
     )

@@ -31,7 +31,7 @@ from steerserve.server.ab.design import RUNNING, STOPPED, DesignError
 from steerserve.server.ab.experiment import StoreUnavailable
 from steerserve.server.ab.store import StoreError
 from steerserve.server.errors import ApiError, ErrorResponse
-from steerserve.server.protocol import ERRORS as BODY_ERRORS
+from steerserve.server.openapi import ERRORS as BODY_ERRORS
 
 if TYPE_CHECKING:
     from steerserve.server.ab.store import Store
@@ -213,7 +213,7 @@ def controls(r: APIRouter) -> None:
 async def _control(
     request: Request, name: str, model: type[BaseModel], status: str | None
 ) -> dict[str, Any]:
-    from steerserve.server.protocol import read_request
+    from steerserve.server.body import read_request
 
     state = _state(request)
     registry = state.decisions.registry
@@ -261,8 +261,8 @@ def preference_router() -> APIRouter:
     async def preference(request: Request) -> dict[str, Any]:
         """Judge the pair of an A/B answer: A (unsteered) better, B (steered) better, or a tie.
         One preference per pair; the report tests them per subject, always valid."""
+        from steerserve.server.body import read_request
         from steerserve.server.generate import pipeline
-        from steerserve.server.protocol import read_request
 
         state = _state(request)
         call = request.state.call = pipeline.Call("preference")

@@ -21,8 +21,9 @@ import uvicorn
 
 from steerserve.server.app import create_app
 from steerserve.server.drain import GRACE
+from steerserve.server.runtime import ServerSettings
 from steerserve.server.slow import timed_protocol
-from steerserve.server.state import ServerSettings, ServerState
+from steerserve.server.state import ServerState
 
 logger = logging.getLogger("steerserve.server")
 

@@ -8,8 +8,7 @@ What the server answers is in ``answers.py``; the error format in ``errors.py``.
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from openai.types.chat import ChatCompletionMessageFunctionToolCallParam
 from pydantic import (
@@ -47,20 +46,8 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 from steerserve.engine.spec import reserved_key
 from steerserve.server.ab.metrics import posted as posted_metrics
 from steerserve.server.admin import ARTIFACT_REF
-from steerserve.server.errors import ApiError, ErrorResponse, api_error, field_path
-from steerserve.server.steering import STEERING_DOC, Steering, SteeringSpec
-from steerserve.server.vllm_errors import raised_error
-
-_STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)
-
-
-def parse_steering(raw: Any) -> SteeringSpec | None:
-    """A ``steering`` value from JSON (or already typed), as a request body would parse it."""
-    try:
-        return _STEERING.validate_python(raw)
-    except ValidationError as e:
-        raise api_error(e.errors(include_url=False)[0], prefix=("steering",)) from None
-
+from steerserve.server.errors import api_error, field_path
+from steerserve.server.steering import STEERING_DOC, Steering
 
 # --- requests ----------------------------------------------------------------------------------
 
@@ -574,153 +561,3 @@ class VectorLoadRequest(_Request):
         json_schema_extra={"pattern": ARTIFACT_REF.pattern, "not": {"pattern": r"\.\."}},
     )
     default: bool = Field(False, description="make it the artifact `steering: true` uses")
-
-
-# --- reading a request ---------------------------------------------------------------------------
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def parse_request(model: type[M], body: bytes) -> M:
-    """Validate a JSON body; the first problem becomes a 400 naming the field."""
-    from vllm.exceptions import VLLMValidationError
-
-    try:
-        return model.model_validate_json(body)
-    except VLLMValidationError as e:  # vLLM's own checks (not a ValueError: pydantic passes it)
-        raise raised_error(e) or ApiError(str(e)) from None
-    except (AttributeError, TypeError, KeyError) as e:  # a vLLM check read a field of a wrong type
-        raise _wrong_type(model, body, e) from None
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise ApiError(
-                f"request body is not valid JSON: {err['msg']}", code="invalid_json"
-            ) from None
-        if err["type"] == "model_type" and not err["loc"]:
-            raise ApiError("request body must be a JSON object", code="invalid_json") from None
-        raise api_error(err) from None
-
-
-def _wrong_type(model: type[BaseModel], body: bytes, e: Exception) -> ApiError:
-    """A 400 naming the field whose type made one of vLLM's before-validators fail (they read
-    the raw body assuming its types): each field is validated alone against its annotation."""
-    data = json.loads(body)
-    for key, value in data.items() if isinstance(data, dict) else ():
-        field = model.model_fields.get(key)
-        if field is None:
-            continue
-        try:
-            TypeAdapter(field.annotation).validate_python(value)
-        except ValidationError as err:
-            raise api_error(err.errors(include_url=False)[0], prefix=(key,)) from None
-        except Exception:
-            return ApiError(f"{key}: invalid value", param=key)
-    return ApiError(f"request body: a field has the wrong type ({type(e).__name__}: {e})")
-
-
-def is_json(content_type: str) -> bool:
-    """``application/json`` or ``application/<something>+json``, parameters aside."""
-    kind = content_type.split(";", 1)[0].strip().lower()
-    return kind == "application/json" or (
-        kind.startswith("application/") and kind.endswith("+json")
-    )
-
-
-async def read_request(request: Any, model: type[M], limit: int) -> M:
-    """The body of a Starlette ``request`` parsed as ``model`` (:func:`read_body`)."""
-    return parse_request(model, await read_body(request, limit))
-
-
-async def read_body(request: Any, limit: int) -> bytes:
-    """The body of a Starlette ``request``: 415 unless it is declared JSON
-    (a web page can send ``text/plain`` cross-site without a preflight, never JSON), 413 past
-    ``limit`` bytes (before reading it when announced)."""
-    if not is_json(request.headers.get("content-type", "")):
-        raise ApiError(
-            "send the body as JSON with 'Content-Type: application/json'",
-            status=415,
-            code="unsupported_media_type",
-        )
-    too_big = ApiError(
-        f"request body is larger than {limit} bytes", status=413, code="request_too_large"
-    )
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# --- the OpenAPI document ------------------------------------------------------------------------
-
-#: Errors every generation endpoint may answer (the 200 answer is declared per route).
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": why}
-    for status, why in {
-        400: "invalid request (the message and `param` name the field)",
-        401: "missing or wrong API key",
-        404: "unknown model",
-        413: "body larger than the limit",
-        408: "the request did not arrive in full in time (a slow client)",
-        415: "body not sent as application/json",
-        499: "the client went away (logged; the client never reads it)",
-        500: "server error (its message and x-request-id carry the id it is logged under)",
-        503: "engine loading, failed or dead, or the server stopping (drain deadline passed)",
-    }.items()
-}
-
-
-def openapi_body(*models: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``models`` (one of them) as a route's JSON body (routes parse
-    it themselves: size limit, content type and OpenAI-format errors)."""
-    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
-    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def openapi_components(models: list[type[BaseModel]]) -> dict[str, Any]:
-    """JSON schemas of ``models`` and what they refer to, for ``components.schemas``."""
-    out: dict[str, Any] = {}
-    for model in models:
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        out.update(schema.pop("$defs", {}))
-        out[model.__name__] = schema
-    return out
-
-
-def _error_answer(status: int) -> dict[str, Any]:
-    """:data:`ERRORS`' entry for ``status`` as the document writes a response."""
-    ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    return {
-        "description": ERRORS[status]["description"],
-        "content": {"application/json": {"schema": ref}},
-    }
-
-
-def openapi_errors(doc: dict[str, Any], keyed: set[tuple[str, str]], key: bool) -> None:
-    """What FastAPI's document cannot know: an invalid parameter is our 400 (FastAPI documents a
-    422 ``HTTPValidationError``), the operations ``keyed`` (path, method) answer 401, and, when
-    the server has a ``key``, they say so as a bearer security scheme."""
-    comps = doc.setdefault("components", {})
-    comps.setdefault("schemas", {}).update(openapi_components([ErrorResponse]))
-    for path, ops in doc.get("paths", {}).items():
-        for method, op in ops.items():
-            answers = op.setdefault("responses", {})
-            if "HTTPValidationError" in json.dumps(answers.get("422", {})):
-                del answers["422"]
-                answers.setdefault("400", _error_answer(400))
-            if (path, method) in keyed:
-                answers.setdefault("401", _error_answer(401))
-                if key:
-                    op["security"] = [{"apiKey": []}]
-    if "HTTPValidationError" not in json.dumps(doc.get("paths", {})):
-        comps["schemas"].pop("HTTPValidationError", None)
-        comps["schemas"].pop("ValidationError", None)
-    if key:
-        comps["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}

@@ -11,7 +11,7 @@ import inspect
 import json
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -36,7 +36,23 @@ ENGINE_SETTINGS = (
     "served_model_name",
 )
 
-Names = Annotated[list[str], NoDecode]  # from a variable: comma-separated, or a JSON list
+
+def _listed(one: bool) -> BeforeValidator:
+    """A variable's text as a list: a JSON list, else comma-separated (``one``: a single value,
+    as a steering spec has commas of its own)."""
+
+    def read(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [value] if one else [v.strip() for v in value.split(",") if v.strip()]
+
+    return BeforeValidator(read)
+
+
+Names = Annotated[list[str], NoDecode, _listed(one=False)]  # names, keys, origins
+Specs = Annotated[list[str], NoDecode, _listed(one=True)]  # NAME=SPEC each
 
 
 def _flag(flags: str) -> dict[str, Any]:
@@ -160,7 +176,7 @@ class ServeSettings(BaseSettings):
         description="Steering for requests that do not choose: off, on, or auto (on for "
         "non-English prompts).",
     )
-    preset: Names = Field(
+    preset: Specs = Field(
         [],
         description="NAME=SPEC (repeatable): serve the steering SPEC (any 'steering' value, as "
         "JSON, or on/off/auto) as the model id <model>:NAME, chosen by 'model' alone. The "
@@ -257,7 +273,7 @@ class ServeSettings(BaseSettings):
         "'steering' keep theirs. 0: no experiment. Shorthand for --ab-arm unsteered=off "
         "--ab-arm steered=auto --ab-allocation steered=F.",
     )
-    ab_arm: Names = Field(
+    ab_arm: Specs = Field(
         [],
         description="An arm of the A/B experiment, NAME=SPEC (repeatable, two or more): SPEC "
         "is off, on, auto, a 'steering' value as JSON, or preset:NAME. The first arm is the "
@@ -312,34 +328,8 @@ class ServeSettings(BaseSettings):
         "else ~/.local/state/steerserve/ab-spill.",
     )
 
-    @field_validator(
-        "served_model_name",
-        "api_key",
-        "preset",
-        "forwarded_allow_ips",
-        "ab_arm",
-        "ab_allocation",
-        mode="before",
-    )
-    @classmethod
-    def _names(cls, value: Any, info: Any) -> Any:
-        """A variable's text: a JSON list, else comma-separated names and keys (one preset or
-        arm: a steering spec has commas of its own)."""
-        if not isinstance(value, str):
-            return value
-        if value.lstrip().startswith("["):
-            return json.loads(value)
-        if info.field_name in ("preset", "ab_arm"):
-            return [value]
-        return [v.strip() for v in value.split(",") if v.strip()]
-
 
 FIELDS: dict[str, FieldInfo] = ServeSettings.model_fields
-
-
-def default(name: str) -> Any:
-    """A setting's default, for the configs that take it (``ServerSettings``)."""
-    return FIELDS[name].get_default(call_default_factory=True)
 
 
 def env_var(name: str) -> str:

@@ -10,18 +10,16 @@ import os
 import signal
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
-from steerserve.engine.api import EngineConfig
 from steerserve.engine.spec import SteeringError
 from steerserve.server.ab import service as ab_service
 from steerserve.server.ab.experiment import DecisionLog, Decisions
 from steerserve.server.admin import AdminGate, check_ref
 from steerserve.server.backend import Backend
-from steerserve.server.defaults import REQUEST_TIMEOUT_SECONDS, seqs_per_request
+from steerserve.server.defaults import seqs_per_request
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
 from steerserve.server.generate import hosted
@@ -29,83 +27,11 @@ from steerserve.server.generate.capacity import Seats
 from steerserve.server.generate.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.metrics import Metrics
 from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
-from steerserve.server.settings import default
+from steerserve.server.runtime import ServerSettings
 from steerserve.server.steering import MODES, Off
 from steerserve.server.vetting import check_artifacts, loadable
 
 logger = logging.getLogger("steerserve.server")
-
-
-@dataclass
-class ServerSettings:
-    """What the server runs with: ``steerserve serve``'s settings (settings.py, where each is
-    declared and its default set) once checked, and the limits only code sets."""
-
-    engine: EngineConfig
-    vectors_dir: str | None = None
-    # the names clients pass as 'model': the first is reported, the rest are aliases (a str: one)
-    served_model_name: str | tuple[str, ...] | None = None
-    api_key: str | tuple[str, ...] | None = None  # any of them authenticates (a str: one)
-    admin_key: str | tuple[str, ...] | None = None  # set: only these open the admin endpoints
-    steering: str = default("steering")  # default policy: off | on | auto
-    max_body_bytes: int = 1 << 20
-    max_seqs_per_request: int | None = None  # None: defaults.seqs_per_request's
-    # prompt tokens and scored prompt tokens one request may send (None: capacity.budget's)
-    max_prompt_tokens_per_request: int | None = None
-    max_scored_tokens_per_request: int | None = None
-    drain_seconds: int = default("drain_seconds")
-    keep_alive_seconds: int = default("keep_alive_seconds")
-    request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS  # a request arrives in full by then
-    stream_send_timeout_seconds: float = default("stream_send_timeout_seconds")
-    forwarded_allow_ips: tuple[str, ...] = ()  # proxies trusted with X-Forwarded-For (uvicorn)
-    # uvicorn's TLS and root path, and CORS, under vLLM's names (process.uvicorn_options)
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    ssl_cert_reqs: int = default("ssl_cert_reqs")
-    root_path: str = default("root_path")
-    allowed_origins: tuple[str, ...] = ()  # none: no CORS headers at all
-    allowed_methods: tuple[str, ...] = tuple(default("allowed_methods"))
-    allowed_headers: tuple[str, ...] = tuple(default("allowed_headers"))
-    allow_credentials: bool = default("allow_credentials")
-    host: str = default("host")  # the address served (admin endpoints are refused open beyond it)
-    open_admin: bool = default("open_admin")
-    exit_on_failure: bool = False  # the CLI: a server whose engine failed or died must not idle
-    ab_split: float = default("ab_split")  # 0: no experiment
-    ab_name: str = default("ab_name")
-    ab_log: str | None = None
-    ab_log_content: bool = default("ab_log_content")
-    ab_store: str | None = None
-    ab_store_spill: str | None = None  # None: ab_store's default
-    ab_arm: tuple[str, ...] = ()  # NAME=SPEC, two or more (ab/design.py); or ab_split's two
-    ab_allocation: tuple[str, ...] = ()  # NAME=SHARE
-    ab_control: str | None = None
-    ab_note: str | None = None
-    # vLLM's names (hosted.build): "auto" picks the model's parser; None for auto-tool-choice:
-    # on whenever a parser is in use
-    tool_call_parser: str | None = default("tool_call_parser")
-    enable_auto_tool_choice: bool | None = None
-    chat_template: str | None = None  # a file or a template; None: the model's own
-    presets: tuple[str, ...] = ()  # NAME=SPEC, each served as a model id (presets.py)
-    ab_preset: str | None = None  # the preset the A/B experiment's steered arm serves
-
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        return _values(self.api_key)
-
-    @property
-    def admin_keys(self) -> tuple[str, ...]:
-        return _values(self.admin_key)
-
-    @property
-    def served_model_names(self) -> tuple[str, ...]:
-        return _values(self.served_model_name)
-
-
-def _values(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """One value or several as a tuple (empty values dropped)."""
-    values = (value,) if isinstance(value, str) else tuple(value or ())
-    return tuple(v for v in values if v)
 
 
 class ServerState:
@@ -153,7 +79,7 @@ class ServerState:
         self.loaded = False
         self.serving: hosted.Serving | None = None  # vLLM's serving layer, once the engine is up
         self.presets: dict[str, Preset] = {}  # model id -> preset, once the artifacts are loaded
-        self._preset_options = [parse_option(p) for p in settings.presets]  # ValueError
+        self._preset_options = [parse_option(p) for p in settings.preset]  # ValueError
         # who may load vectors and read the experiment (the app's require_admin asks it)
         self.admin = AdminGate(settings.host, bool(self.api_keys), settings.open_admin)
         if self.admin.refusal:
@@ -259,7 +185,7 @@ class ServerState:
     def _add_presets(self) -> None:
         """The served artifact's presets and ``--preset``'s, each admitted as a request would
         be (a missing vector, or a name taken by the model or another preset, stops the start)."""
-        from steerserve.server.protocol import parse_steering
+        from steerserve.server.steering import parse_steering
 
         wanted: list[tuple[str, Any, str]] = []
         if self.policy.default_artifact is not None:

@@ -17,6 +17,8 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Tag,
+    TypeAdapter,
+    ValidationError,
     WithJsonSchema,
     model_validator,
 )
@@ -31,6 +33,7 @@ from steerserve.engine.spec import (
     finite_number,
     short_repr,
 )
+from steerserve.server.errors import api_error
 
 STEERING_DOC = (
     'false | true | "auto" | {"interventions": {"recall": 1.0, ...}, "artifact"?: "name/version"} '
@@ -210,3 +213,14 @@ Steering = Annotated[
     BeforeValidator(_shorthand),
     WithJsonSchema(STEERING_SCHEMA),
 ]
+
+
+_STEERING: TypeAdapter[SteeringSpec | None] = TypeAdapter(Steering)
+
+
+def parse_steering(raw: Any) -> SteeringSpec | None:
+    """A ``steering`` value from JSON (or already typed), as a request body would parse it."""
+    try:
+        return _STEERING.validate_python(raw)
+    except ValidationError as e:
+        raise api_error(e.errors(include_url=False)[0], prefix=("steering",)) from None

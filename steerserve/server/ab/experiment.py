@@ -177,7 +177,7 @@ class Experiment:
 
     def spec(self, arm: str) -> SteeringSpec:
         """An arm's steering as the policy takes it (parsed once per arm; checked at start)."""
-        from steerserve.server.protocol import parse_steering
+        from steerserve.server.steering import parse_steering
 
         value = self.design.arm(arm).steering
         key = (arm, repr(value))

@@ -84,7 +84,7 @@ def design_of(
 def check_arms(design: Design) -> None:
     """Each arm's steering a value the API accepts (its vectors are checked once the artifacts
     are loaded), as a DesignError naming ``--ab-arm``."""
-    from steerserve.server.protocol import parse_steering
+    from steerserve.server.steering import parse_steering
 
     for arm in design.arms:
         if arm.preset is None:

@@ -3,7 +3,7 @@ randomises: the subject (user), not the reply.
 
 Arms are sticky per subject, so one heavy user's replies move together: counted as independent
 replies, a test of 40 users x 50 replies called a false winner in half of A/A runs (measured in
-tests/test_ab_simulation.py). Every metric here is a ratio metric: per subject i the sum S_i of
+tests/server/ab/test_ab_simulation.py). Every metric here is a ratio metric: per subject i the sum S_i of
 its values and their count N_i, the arm's mean sum(S) / sum(N), and its variance by the delta
 method (Deng et al., "Applying the delta method in metric analytics", 2018; the same as a
 cluster-robust variance with subjects as clusters), each arm's own (unpooled: v_a + v_b, so an

@@ -26,11 +26,11 @@ from steerserve.server.presets import preset_id
 from steerserve.server.steering import SteeringSpec
 
 if TYPE_CHECKING:
-    from steerserve.server.state import ServerState
+    from steerserve.server.generate.context import Context
 
 
 def enrol(
-    state: ServerState, request: Request, req: Any, ep: Endpoint
+    state: Context, request: Request, req: Any, ep: Endpoint
 ) -> tuple[SteeringSpec | None, Enrolled | None]:
     """The steering under the A/B experiment, and the request's place in it: a request without
     ``steering`` and with a subject (its ``user``, else the subject header) gets its arm's; one
@@ -70,7 +70,7 @@ def _subject(request: Request, req: Any) -> str | None:
     return subject or None
 
 
-def pair(state: ServerState, request: Request, req: Any) -> Enrolled | None:
+def pair(state: Context, request: Request, req: Any) -> Enrolled | None:
     """An A/B answer's place: a pair of the server's experiment (its name even while it is
     stopped, or ``--ab-name``), its subject hashed as the experiment's would be; None where no
     decisions are kept (a preference could never be joined)."""
@@ -84,7 +84,7 @@ def pair(state: ServerState, request: Request, req: Any) -> Enrolled | None:
 
 
 async def decide(
-    state: ServerState,
+    state: Context,
     ab: Enrolled | None,
     endpoint: str,
     rid: str,
@@ -133,7 +133,7 @@ def treatment(info: SteeringInfo) -> str:
 
 
 def settle_experiment(
-    state: ServerState, ab: Enrolled, status: int, seconds: float | None, tokens: tuple[int, int]
+    state: Context, ab: Enrolled, status: int, seconds: float | None, tokens: tuple[int, int]
 ) -> None:
     """Metrics by experiment and arm; an answered enrolled request goes to the decision log (a
     failed write is counted there, never the request's failure). ``tokens``: prompt,
@@ -163,7 +163,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
 
-def reply_language(state: ServerState, text: str) -> str | None:
+def reply_language(state: Context, text: str) -> str | None:
     """The reply's language, by the detector that read the prompt's (its last 2,000 characters:
     0.1-0.5 ms on the event loop for a reply of a few hundred); None when unsure."""
     try:

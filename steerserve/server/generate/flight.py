@@ -24,7 +24,7 @@ from steerserve.server.generate.enrolment import settle_experiment
 from steerserve.server.vllm_errors import engine_error
 
 if TYPE_CHECKING:
-    from steerserve.server.state import ServerState
+    from steerserve.server.generate.context import Context
 
 logger = logging.getLogger("steerserve.server")
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class Call:
     request_id: str | None = None  # the client's X-Request-Id (the answer's id carries it)
 
 
-def finish(state: ServerState, call: Call, status: int, timed: bool = True) -> None:
+def finish(state: Context, call: Call, status: int, timed: bool = True) -> None:
     """Count a finished request and log it (one structured line per request, once)."""
     if call.done:
         return
@@ -86,7 +86,7 @@ class Flight:
     engine request closed; tokens counted per arm; the request counted once."""
 
     def __init__(
-        self, state: ServerState, call: Call, request: Request, gens: Sequence[AsyncGenerator]
+        self, state: Context, call: Call, request: Request, gens: Sequence[AsyncGenerator]
     ) -> None:
         self.state, self.call, self.request, self.gens = state, call, request, gens
         self.status = 200

@@ -292,47 +292,17 @@ def build(
     renderer = OnlineRenderer(
         model_config=llm.model_config, renderer=llm.renderer, request_logger=None, **common
     )
+    served: dict[str, Any] = dict(request_logger=None, enable_prompt_tokens_details=True)
     chat = OpenAIServingChat(
-        engine,
-        models,
-        "assistant",
-        online_renderer=renderer,
-        request_logger=None,
-        enable_prompt_tokens_details=True,
-        **common,
+        engine, models, "assistant", online_renderer=renderer, **served, **common
     )
-    completion = OpenAIServingCompletion(
-        engine,
-        models,
-        online_renderer=renderer,
-        request_logger=None,
-        enable_prompt_tokens_details=True,
-    )
+    completion = OpenAIServingCompletion(engine, models, online_renderer=renderer, **served)
     tokenization = ServingTokenization(
-        models,
-        renderer,
-        chat_template=template,
-        chat_template_content_format="auto",
+        models, renderer, chat_template=template, chat_template_content_format="auto"
     )
-    responses = OpenAIServingResponses(
-        engine,
-        models,
-        renderer,
-        request_logger=None,
-        chat_template=template,
-        chat_template_content_format="auto",
-        enable_auto_tools=auto_tools,
-        tool_parser=parser,
-        enable_prompt_tokens_details=True,
-    )
+    responses = OpenAIServingResponses(engine, models, renderer, **served, **common)
     messages = steered_messages()(
-        engine,
-        models,
-        "assistant",
-        online_renderer=renderer,
-        request_logger=None,
-        enable_prompt_tokens_details=True,
-        **common,
+        engine, models, "assistant", online_renderer=renderer, **served, **common
     )
     return Serving(chat, completion, tokenization, parser, responses, backend, messages)
 

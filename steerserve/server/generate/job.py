@@ -19,7 +19,7 @@ from steerserve.server.guard import REQUEST_ID
 from steerserve.server.presets import Preset
 
 if TYPE_CHECKING:
-    from steerserve.server.state import ServerState
+    from steerserve.server.generate.context import Context
 
 HEADER = "x-steerserve-steering"
 
@@ -38,7 +38,7 @@ class Arm:
 class Job:
     """A request and what the path has learned of it so far (set by the step named)."""
 
-    state: ServerState
+    state: Context
     request: Request
     ep: Endpoint
     call: Call

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from steerserve.engine.api import UNSTEERED
 from steerserve.engine.spec import SteeringError, short_repr
 from steerserve.server.answers import ExperimentInfo
+from steerserve.server.body import parse_request, read_body
 from steerserve.server.defaults import seqs_per_request
 from steerserve.server.errors import ApiError
 from steerserve.server.generate import grammar
@@ -43,12 +44,11 @@ from steerserve.server.generate.policy import OFF
 from steerserve.server.generate.streaming import stream
 from steerserve.server.guard import REQUEST_ID
 from steerserve.server.presets import Preset
-from steerserve.server.protocol import parse_request, read_body
 from steerserve.server.steering import SteeringSpec
 from steerserve.server.vllm_errors import answer_error, raised_error
 
 if TYPE_CHECKING:
-    from steerserve.server.state import ServerState
+    from steerserve.server.generate.context import Context
 
 __all__ = ["Call", "finish", "handle", "refused"]  # the app's: counting refused requests
 
@@ -56,7 +56,7 @@ __all__ = ["Call", "finish", "handle", "refused"]  # the app's: counting refused
 
 
 async def handle(
-    state: ServerState, request: Request, ep: Endpoint, body: bytes | None = None
+    state: Context, request: Request, ep: Endpoint, body: bytes | None = None
 ) -> Response:
     """Read -> admit -> steer -> plan -> vLLM's serving call -> collect or stream -> finish, each
     step a function of the request's :class:`Job` (what it reads, what it adds); ``body``: read
@@ -256,7 +256,7 @@ def client_of(request: Request, keys: int) -> str:
     return f"addr:{request.client.host if request.client else '?'}"
 
 
-def check(state: ServerState, model: str) -> Preset | None:
+def check(state: Context, model: str) -> Preset | None:
     """The served model or one of its steering presets (returned), and an engine ready to take
     it (not one past its drain deadline)."""
     if state.drain.dropping:
@@ -288,7 +288,7 @@ def scores_prompt(req: Any) -> bool:
 
 
 async def steer_prompts(
-    state: ServerState, spec: SteeringSpec | None, texts: list[str], ab: bool, scoring: bool
+    state: Context, spec: SteeringSpec | None, texts: list[str], ab: bool, scoring: bool
 ) -> list[list[Arm]]:
     """Per prompt, its arms: ``auto`` decides each prompt by its own language (a batch of an
     English and a French prompt steers the French one only); other steering decides once."""
@@ -315,7 +315,7 @@ def summary(arms: list[Arm]) -> Arm:
 
 
 async def steer(
-    state: ServerState, spec: SteeringSpec | None, text: str, ab: bool, scoring: bool = False
+    state: Context, spec: SteeringSpec | None, text: str, ab: bool, scoring: bool = False
 ) -> list[Arm]:
     """The request's arms: detect the language when the steering is ``auto``, resolve the policy
     (``scoring``: a request that reads its prompt's logprobs, steered at every position),

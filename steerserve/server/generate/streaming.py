@@ -26,8 +26,8 @@ from steerserve.server.generate.hosted import Plan, event_json, first_event
 from steerserve.server.vllm_errors import engine_error, error_from_vllm
 
 if TYPE_CHECKING:
+    from steerserve.server.generate.context import Context
     from steerserve.server.generate.job import Job
-    from steerserve.server.state import ServerState
 
 logger = logging.getLogger("steerserve.server")
 
@@ -113,7 +113,7 @@ class BoundedStream(StreamingResponse):
                 await aclose()
 
 
-def _error(plan: Plan, err: dict[str, Any], state: ServerState) -> ApiError:
+def _error(plan: Plan, err: dict[str, Any], state: Context) -> ApiError:
     """A stream's in-band error as ours: the engine call's own exception when the plan saw one
     (a steered distribution gone degenerate, the engine dying), else vLLM's message."""
     if plan.error is not None:
