@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_server import free_port
+from _server import free_port
 
 USER, PASSWORD = "steer", "s3cret-pw"
 

@@ -36,10 +36,10 @@ def tiny_gemma(tiny_models: dict[str, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def http(server: Any) -> Iterator[Any]:
-    """An httpx client of the module's ``server`` fixture (a ``test_server.Server``) with the test
+    """An httpx client of the module's ``server`` fixture (a ``_server.Server``) with the test
     key; a module whose server wants another client defines its own ``http``."""
     import httpx
-    from test_server import AUTH
+    from _server import AUTH
 
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
         yield c
@@ -49,7 +49,7 @@ def http(server: Any) -> Iterator[Any]:
 def oai(server: Any) -> Any:
     """The ``openai`` SDK on the module's ``server`` fixture, with the test key, no retries."""
     import openai
-    from test_server import KEY
+    from _server import KEY
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
 
@@ -68,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: starts an engine, server or process (not fast)")
 
 
-#: The slowest tests of the run (setup + call + teardown), written at its end: CI's clone keeps
+#: The slowest tests and modules of the run (setup + call + teardown), written at its end: CI's clone keeps
 #: the file, so a slowdown shows by name without rereading the log (issue 59).
 SLOWEST = Path(__file__).parents[1] / ".work" / "slowest-tests.txt"
 _durations: dict[str, float] = {}
@@ -84,8 +84,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     top = sorted(_durations.items(), key=lambda kv: -kv[1])[:15]
     SLOWEST.parent.mkdir(parents=True, exist_ok=True)
     total = sum(_durations.values())
-    lines = [f"# {len(_durations)} tests, {total:.0f} s in tests, exit {exitstatus}"]
-    SLOWEST.write_text("\n".join([*lines, *(f"{d:8.1f} s  {n}" for n, d in top)]) + "\n")
+    per_file: dict[str, float] = {}
+    for nodeid, d in _durations.items():
+        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0.0) + d
+    files = sorted(per_file.items(), key=lambda kv: -kv[1])[:15]
+    lines = [
+        f"# {len(_durations)} tests, {total:.0f} s in tests, exit {exitstatus}",
+        *(f"{d:8.1f} s  {n}" for n, d in top),
+        "# the 15 slowest modules",
+        *(f"{d:8.1f} s  {n}" for n, d in files),
+    ]
+    SLOWEST.write_text("\n".join(lines) + "\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -145,3 +145,53 @@ def test_no_loose_modules_at_the_top() -> None:
         *LAYERS,
         "vectors",  # the shipped vectors, copied in by setup.py when a wheel is built
     }
+
+
+def _child(pkg: str, module: str) -> str | None:
+    """The child of ``pkg`` (a module or subpackage) that ``module`` is or is inside of."""
+    if not module.startswith(f"{pkg}."):
+        return None
+    return f"{pkg}.{module[len(pkg) + 1 :].split('.')[0]}"
+
+
+def test_no_import_runs_up_inside_a_package() -> None:
+    """Inside every package too: its modules and subpackages, each taken whole, import one
+    another without a circle (a subpackage's module that imports the module above that uses it,
+    as generate/ once typed ``state``, closes one)."""
+    edges = graph(typed=True)
+    packages = {m for m in edges if any(x.startswith(f"{m}.") for x in edges)}
+    assert {"steerserve.server", "steerserve.server.ab"} <= packages
+    for pkg in packages:
+        inner: dict[str, set[str]] = {}
+        for mod, targets in edges.items():
+            if (a := _child(pkg, mod)) is not None:
+                inner.setdefault(a, set()).update({_child(pkg, t) for t in targets} - {None, a})
+        assert cycles(inner) == [], pkg
+
+
+#: Where the product starts: the console script, ``python -m steerserve``, the vLLM plugin entry
+#: point; modules loaded by name (vLLM imports the worker extension from a string), and the tools
+#: run as ``python -m`` or from bench/ (the facts builder, the tiny models).
+ROOTS = {
+    "steerserve.cli": "[project.scripts]",
+    "steerserve.__main__": "python -m steerserve",
+    "steerserve.engine.plugin": "vllm.general_plugins",
+    "steerserve.engine.worker": "engine.api.WORKER_EXTENSION",
+    "steerserve.tune.facts.build": "python -m steerserve.tune.facts.build",
+    "steerserve.models.tiny": "bench/ and the tests build tiny models",
+}
+
+
+def test_every_module_is_reached_from_where_the_product_starts() -> None:
+    """No module only its own tests reach: each is imported, at last, from a root above."""
+    from steerserve.engine.api import WORKER_EXTENSION
+
+    assert WORKER_EXTENSION.rsplit(".", 1)[0] in ROOTS
+    edges = graph(typed=True)  # a protocol is reached by the types that name it
+    seen, todo = set(), [*ROOTS, "steerserve"]
+    while todo:
+        if (m := todo.pop()) not in seen:
+            seen.add(m)
+            todo.extend(edges[m])
+            todo.extend(m.rsplit(".", i)[0] for i in range(1, m.count(".")))  # its packages
+    assert sorted(set(edges) - seen) == []

@@ -1,0 +1,193 @@
+"""generate/'s steps (read, admit, steer, plan) against a small context, no engine: the server's
+own parts (settings, backend admission, policy, detector, seats, metrics) over a tiny model's
+config and tokenizer, an engine stand-in that only reports its limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from _server import KEY, make_artifact
+from starlette.requests import Request
+
+from steerserve.artifacts import scan_artifacts
+from steerserve.engine.api import EngineConfig
+from steerserve.server.ab.experiment import DecisionLog, Decisions
+from steerserve.server.backend import Backend
+from steerserve.server.drain import Drain
+from steerserve.server.errors import ApiError
+from steerserve.server.generate import endpoints, pipeline
+from steerserve.server.generate.capacity import Seats
+from steerserve.server.generate.flight import Call
+from steerserve.server.generate.job import Job
+from steerserve.server.generate.policy import LanguageDetector, SteeringPolicy
+from steerserve.server.metrics import Metrics
+from steerserve.server.presets import Preset
+from steerserve.server.runtime import ServerSettings
+from steerserve.server.steering import parse_steering
+
+FR = "La capitale de la France est une ville célèbre pour la tour Eiffel et le musée du Louvre."
+EN = "The capital of France is a city famous for the Eiffel Tower and the Louvre museum."
+
+
+@dataclass
+class Context:
+    """:class:`steerserve.server.generate.context.Context` without an engine: the real parts,
+    an engine stand-in with the limits the steps read."""
+
+    settings: ServerSettings
+    backend: Backend
+    policy: SteeringPolicy
+    detector: LanguageDetector
+    metrics: Metrics = field(default_factory=Metrics)
+    seats: Seats = field(default_factory=lambda: Seats(8, 4))
+    drain: Drain = field(default_factory=Drain)
+    decisions: Decisions = field(default_factory=lambda: Decisions(DecisionLog(None)))
+    experiment: Any = None
+    serving: Any = None
+    presets: dict[str, Preset] = field(default_factory=dict)
+    model_name: str = "llama"
+    model_names: frozenset[str] = frozenset({"llama"})
+    api_keys: tuple[str, ...] = (KEY,)
+    stopping: bool = False
+    load_error: BaseException | None = None
+    ready: bool = True
+
+
+@pytest.fixture
+def ctx(tiny_llama: Path, tmp_path: Path, detector: LanguageDetector) -> Context:
+    from transformers import AutoTokenizer
+
+    make_artifact(tmp_path, tiny_llama, "v1")
+    cfg = EngineConfig(model=str(tiny_llama), max_model_len=256)
+    settings = ServerSettings(engine=cfg, vectors_dir=str(tmp_path), steering="auto")
+    backend = Backend(cfg)
+    backend.llm = SimpleNamespace(  # what the steps read of an engine: its limits
+        errored=False,
+        model_config=SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 300),
+    )
+    backend.tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    backend.max_token_chars = 4
+    policy = SteeringPolicy(backend.registry, "auto", cfg.max_abs_scale)
+    [found] = scan_artifacts(str(tmp_path), str(tiny_llama))
+    art = found.artifact
+    for iv in art.manifest.interventions:
+        backend.registry.add(art.manifest.vector_name(iv), art.tensors[iv.tensor])
+    policy.add(art)
+    return Context(settings, backend, policy, detector)
+
+
+def request(body: dict[str, Any], headers: dict[str, str] | None = None) -> Request:
+    data = json.dumps(body).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    given = {"content-type": "application/json", **(headers or {})}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(k.encode(), v.encode()) for k, v in given.items()],
+        "client": ("10.0.0.1", 5000),
+        "state": {},
+    }
+    return Request(scope, receive)
+
+
+def chat(content: str = EN, **kw: Any) -> dict[str, Any]:
+    return {"model": "llama", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def job(ctx: Context, body: dict[str, Any], ep: Any = endpoints.CHAT, **headers: str) -> Job:
+    return Job(ctx, request(body, headers), ep, Call(ep.name))  # type: ignore[arg-type]
+
+
+def refused(step: Any, j: Job) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        asyncio.run(step(j))
+    return e.value
+
+
+def test_read_checks_the_model_the_engine_and_the_request_id(ctx: Context) -> None:
+    """An unknown model is a 404 naming ``model``; a preset becomes the steering and refuses
+    another; a loading or failed engine is a 503; an ``X-Request-Id`` must be visible ASCII."""
+    e = refused(pipeline.read, job(ctx, chat(model="gpt-4")))
+    assert (e.status, e.param, e.code) == (404, "model", "model_not_found")
+    ctx.presets["llama:half"] = Preset("llama:half", parse_steering(True), True, "--preset")
+    j = job(ctx, chat(model="llama:half"))
+    asyncio.run(pipeline.read(j))
+    assert j.call.preset == "llama:half" and j.req.steering == parse_steering(True)
+    e = refused(pipeline.read, job(ctx, chat(model="llama:half", steering=False)))
+    assert (e.status, e.param) == (400, "steering")
+    e = refused(pipeline.read, job(ctx, chat(), **{"x-request-id": "has space"}))
+    assert (e.status, e.param) == (400, "x-request-id")
+    ctx.ready, ctx.load_error = False, RuntimeError("boom")
+    e = refused(pipeline.read, job(ctx, chat()))
+    assert (e.status, e.message) == (503, "the engine failed")
+    ctx.load_error = None
+    assert refused(pipeline.read, job(ctx, chat())).message == "the engine is still loading"
+
+
+def test_admit_takes_seats_within_the_caps(ctx: Context) -> None:
+    """Seats are taken per client by the sequences a request runs; more sequences than a
+    request may run, or a prompt that cannot fit the context, are refused before any seat."""
+    j = job(ctx, chat(n=2))
+    asyncio.run(pipeline.read(j))
+    asyncio.run(pipeline.admit(j))
+    assert ctx.seats.in_use == 2 and ctx.seats.by_client == {"addr:10.0.0.1": 2}
+    j = job(ctx, chat(n=64))
+    asyncio.run(pipeline.read(j))
+    assert (refused(pipeline.admit, j).param, ctx.seats.in_use) == ("n", 2)
+    j = job(ctx, chat("x" * 8000))
+    asyncio.run(pipeline.read(j))
+    e = refused(pipeline.admit, j)
+    assert (e.code, e.param, ctx.seats.in_use) == ("context_length_exceeded", "messages", 2)
+
+
+def prepared(ctx: Context, body: dict[str, Any], ep: Any = endpoints.CHAT) -> Job:
+    j = job(ctx, body, ep)
+    for step in (pipeline.read, pipeline.admit, pipeline.steer_arms, pipeline.plan):
+        asyncio.run(step(j))
+    return j
+
+
+def test_auto_steers_each_prompt_by_its_own_language(ctx: Context) -> None:
+    """A completions batch of an English and a French prompt under ``auto``: only the French
+    one is steered; the answer's arm says steered; one plan carries both prompts' arms."""
+    j = prepared(ctx, {"model": "llama", "prompt": [EN, FR]}, endpoints.COMPLETIONS)
+    assert [p[0].label for p in j.per_prompt] == ["unsteered", "steered"]
+    assert [p[0].info.detected_language for p in j.per_prompt] == ["en", "fr"]
+    assert j.call.arm == "steered" and j.arms[0].info.detected_language is None
+    [plan] = j.plans
+    assert plan.labels == ["unsteered", "steered"]
+    assert [p[0].prepared.steered for p in j.per_prompt] == [False, True]
+
+
+def test_the_ab_endpoint_plans_an_unsteered_and_a_steered_arm(ctx: Context) -> None:
+    j = prepared(ctx, chat(EN, steering=True), endpoints.AB)
+    assert [(a.label, a.suffix) for a in j.arms] == [("unsteered", "-a"), ("steered", "-b")]
+    assert len(j.plans) == 2 and j.call.arm == "ab"
+    j = job(ctx, chat(EN, steering=False), endpoints.AB)
+    for step in (pipeline.read, pipeline.admit):
+        asyncio.run(step(j))
+    assert refused(pipeline.steer_arms, j).param == "steering"
+
+
+def test_steering_that_cannot_apply_is_refused_naming_its_field(ctx: Context) -> None:
+    """Beam search with steering, an entry past the model's layers: 400s naming the field."""
+    j = job(ctx, {"model": "llama", "prompt": FR, "use_beam_search": True, "steering": True},
+            endpoints.COMPLETIONS)  # fmt: skip
+    for step in (pipeline.read, pipeline.admit):
+        asyncio.run(step(j))
+    assert refused(pipeline.steer_arms, j).param == "use_beam_search"
+    entry = {"vector": "tiny/v1/recall", "layer": 99, "scale": 1.0}
+    j = job(ctx, chat(FR, steering={"entries": [entry]}))
+    for step in (pipeline.read, pipeline.admit):
+        asyncio.run(step(j))
+    assert refused(pipeline.steer_arms, j).param.startswith("steering")
