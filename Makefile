@@ -21,7 +21,7 @@ $(VENV)/.setup-done: pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-# The browser tests (tests/test_server_pages.py) drive Debian's Chromium headless through Playwright
+# The browser tests (tests/server/test_server_pages.py) drive Debian's Chromium headless through Playwright
 # (never a browser download); the Japanese font keeps their screenshots readable. Where it cannot be
 # installed (not root, no package mirror) this says so, and those tests skip, printing why.
 browser:
@@ -35,7 +35,7 @@ browser:
 	  echo "make browser: not root, cannot apt-get install chromium; the browser tests will skip"; \
 	fi
 
-# The experiment-store tests (tests/test_ab_store.py) start a throwaway PostgreSQL server from
+# The experiment-store tests (tests/server/ab/test_ab_store.py) start a throwaway PostgreSQL server from
 # Debian's package (initdb in a temporary folder, as an unprivileged user when run as root). Where
 # it cannot be installed (not root, no package mirror) this says so, and those tests skip, printing why.
 postgres:

@@ -1,6 +1,6 @@
 """Issue 57's acceptance on the small embedded model: two replicas, three arms, a ramp under one
 name, on one experiment store; one run, not a test (the suite runs the same shape on a tiny model
-in one process: tests/test_ab_registry.py::test_two_replicas_a_ramp_and_the_report_per_phase_...).
+in one process: tests/server/ab/test_ab_registry.py::test_two_replicas_a_ramp_and_the_report_per_phase_...).
 
 Two ``steerserve serve`` processes of ``--model`` (default gemma-3-270m, its shipped vectors) on
 one ``--store`` (default: a SQLite file in a temporary folder; ``pg`` starts a throwaway

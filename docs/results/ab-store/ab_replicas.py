@@ -1,6 +1,6 @@
 """Two replicas of an embedded model on one experiment store (issue 47's acceptance, on the
 small model): one run, not a test (the suite runs the same case on a tiny model, both stores:
-tests/test_ab_store.py::test_two_servers_share_one_store).
+tests/server/ab/test_ab_store.py::test_two_servers_share_one_store).
 
 Two ``steerserve serve`` processes of ``--model`` (default gemma-3-270m, its shipped vectors),
 both with ``--ab-split 0.5`` and the same ``--ab-store`` (default: a SQLite file in a temporary
