@@ -1,12 +1,5 @@
 """``steerserve vectors gate``: a new version of an artifact with the same vectors and a
-per-language gate of ``auto``.
-
-Why a copy: a published version never changes (``save_artifact`` refuses to overwrite), yet a
-measurement can show that ``auto`` must not steer some languages with vectors that stay useful
-on request. The copy keeps the tensors and interventions bit for bit, names its source in every
-intervention's provenance, and declares which languages ``auto`` steers, each with the
-confirmation that decides it; the manifest's own rules judge the gate.
-"""
+per-language gate of ``auto``."""
 
 from __future__ import annotations
 

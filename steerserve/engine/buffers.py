@@ -1,21 +1,4 @@
-"""The worker-side steering state: persistent buffers and the host bookkeeping that fills them.
-
-Device buffers (allocated once, before the first forward, updated in place only):
-
-* ``pool``  float32 ``[1 + S*R, H]``: delta rows; row 0 is zeros. Batch slot ``s`` (1..S, one per
-  running steered request) owns rows ``1 + (s-1)*R .. s*R``, so the pool can never overflow.
-* ``index`` int32 ``[num_layers, max_tokens]``: for each layer, the pool row each token of the
-  current step adds. 0 = untouched.
-* the other operations (``engine/ops.py`` rows that are not additive), with ``K =
-  ops_per_layer`` slots: ``op_rows`` float32 ``[1 + S*R, 2H + 2]`` (u, c, a, b), one row per
-  non-additive entry of a running request (slot ``s`` owns rows as in ``pool``), row 0 the
-  identity; ``op_index`` int32 ``[num_layers, K, max_tokens]``: per layer and slot, the row each
-  token applies (0: none).
-
-Per step the host computes the indexes with numpy (no Python per token) and copies them in one go;
-the ops then do ``steer_edit`` (if any slot) and ``hidden + pool[index[layer, :T]]`` on every
-steerable layer (``engine/kernels.py``).
-"""
+"""The worker-side steering state: persistent buffers and the host bookkeeping that fills them."""
 
 from __future__ import annotations
 

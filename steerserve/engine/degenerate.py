@@ -1,20 +1,4 @@
-"""The degeneracy check of steered requests, computed where it costs nothing: the worker.
-
-A vector that overflows the residual stream leaves the final norm's output zero or NaN, so every
-next-token distribution comes out uniform or NaN; a steered request must then fail (the server's
-``steering_degenerate`` 500), never be a 200 with garbage. The server used to ask vLLM for a
-logprob on every steered request to see this, which made every step of a batch holding one
-compute the log-softmax of the whole vocabulary for every row (39 ms a step for Gemma 3's
-262,144 tokens at 16 rows, a fifth of its throughput) and the front end build logprob objects
-per token. Here the worker reads the sampled rows' final hidden states instead (``[rows, H]``),
-and a flagged request travels back in vLLM's own per-request field for corrupted logits,
-``num_nans_in_logits``, which the scheduler forwards with every later output of the request:
-
-* worker: :func:`flag_rows` after ``compute_logits`` (``SteeringState.check_sampled``), merged
-  into the runner's output by the V1 seam (``runner.py``);
-* front end: :func:`install` wraps ``OutputProcessor.process_outputs`` to note those requests
-  (:func:`flagged`), which ``server/backend.py`` turns into the 500.
-"""
+"""The degeneracy check of steered requests, computed where it costs nothing: the worker."""
 
 from __future__ import annotations
 

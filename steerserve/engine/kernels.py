@@ -1,20 +1,4 @@
-"""The steering ops: ``torch.ops.steerserve.steer_add`` and ``torch.ops.steerserve.steer_edit``.
-
-Registered custom ops (with fake implementations) so torch.compile keeps them as opaque calls
-instead of tracing a Python hook away, and CUDA graphs capture them: ungated, they read only
-persistent buffers, never sync with the host and never branch on tensor values; their shapes
-depend only on the step's token count and the engine's static sizes.
-
-``steer_add`` is the additive fast path (``add`` entries, summed into a delta pool row);
-``steer_edit`` is every other operation of ``engine/ops.py``, each an affine map of the stream.
-On a layer the hook runs ``steer_edit`` first, then ``steer_add`` (the order ``ops.py`` states).
-
-Both take an optional ``gate``: a one-element host tensor the worker keeps current (running
-requests steering the layer; for the edit, the op slots they fill). Where there are no graphs to
-capture the call (CPU), the op's Python body runs on every call, even from a compiled graph, so a
-gate of 0 skips the arithmetic there; with CUDA graphs a host branch would be baked into the
-capture, so the hook passes none and the ops always run (``SteeringState.skip_idle`` decides).
-"""
+"""The steering ops: ``torch.ops.steerserve.steer_add`` and ``torch.ops.steerserve.steer_edit``."""
 
 from __future__ import annotations
 
@@ -60,15 +44,8 @@ def _steer_add_fake(
 def _steer_edit(
     hidden: torch.Tensor, residual: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The non-additive ops on a layer's split stream ``h = hidden + residual`` (vLLM's layers
-    return the two halves): for each op slot ``k`` in order, ``h = a·h − b·(h·u)·u + c`` with
-    ``rows[index[k, t]] = (u, c, a, b)`` (``[2H + 2]``, float32).
-
-    ``index`` ``[K, max_tokens]`` is the layer's per-slot row buffer (a token's slots fill from
-    0; row 0 is the identity, ``a = 1``, the rest 0). The stream is formed and edited in float32;
-    an edited token comes out as ``(h.to(dtype), 0)``, every other one as its own ``(hidden,
-    residual)``, bit for bit.
-    """
+    """The non-additive ops on ``h = hidden + residual``: per op slot ``k``,
+    ``h = a·h − b·(h·u)·u + c`` with ``rows[index[k, t]] = (u, c, a, b)``."""
     n, size = hidden.shape[0], hidden.shape[-1]
     idx = index[:, :n]
     h = torch.add(hidden.float(), residual)  # float32, residual promoted as it is read

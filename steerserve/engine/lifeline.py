@@ -1,14 +1,4 @@
-"""A vLLM child process (EngineCore, its worker) stops when its parent dies, however it died.
-
-EngineCore learns that the server is stopping from a signal or a message; a server killed with
-SIGKILL (``kill -9``, the OOM killer) sends neither, so EngineCore (hundreds of MB), its worker and
-the resource tracker were re-parented to PID 1 and ran on: each restart outside a container
-leaked the old engine. A thread in each child therefore watches its parent's pid. Not
-``PR_SET_PDEATHSIG``: it fires when the *thread* that forked the child exits, and vLLM starts
-EngineCore from a thread-pool thread. Every process forked after :func:`install` (fork start
-method) and every spawned process that loads the plugin (spawn) is watched; the resource tracker
-exits by itself once the last process holding its pipe is gone.
-"""
+"""A vLLM child process (EngineCore, its worker) stops when its parent dies, however it died."""
 
 from __future__ import annotations
 

@@ -1,31 +1,4 @@
-"""The steering operations: one row each, the one place an operation is defined.
-
-An entry ``{"vector": v, "layer": L, "scale": s, "positions": p, "op": name}`` changes the
-residual stream ``h`` at the output of decoder block ``L`` on the tokens ``p`` selects:
-
-* ``add``: ``h + s·v``; folds into the additive delta pool (the fast path);
-* ``ablate``: ``h − s·(h·v̂)v̂``; s = 1 removes v's direction (v must be non-zero);
-* ``replace``: ``s·v``; the task-vector patch (Hendel et al.);
-* ``interp``: ``(1 − s)·h + s·v``, s in [0, 1].
-
-Order on one layer: the non-additive entries first, in entry order, then the additive ones
-(summed into one delta). The engine (``engine/kernels.py``), the transformers oracle
-(``tune/reference.py``) and the transformers runner (``tune/runner.py``) apply this order.
-
-Everything else derives from :data:`OPS`: entry validation, wire encoding and cache salt
-(``engine/spec.py``), the worker's buffers (``engine/buffers.py``), the request's JSON schema
-(``server/steering.py``), the artifact's ``Intervention.op`` and its GGUF export
-(``artifacts/manifest.py``), the response echo and ``tune/runner.py``'s ``Edit.kind``.
-
-Adding an operation: one :class:`Op` row in :data:`OPS` with its ``reference`` (plain torch on
-the stream, the one function the oracle and the research runner apply); an additive one also
-gives its ``delta`` (summed into the engine's delta pool), any other its ``affine``, its
-coefficients in the engine's one non-additive kernel
-``h' = a·h − b·(h·u)·u + c`` (``engine/kernels.py``), or, if it is not of that form, a kernel of its
-own there. ``tests/engine/test_engine_ops.py`` checks every copy against the registry and the kernel
-against the reference; the engine tests, parametrised over :func:`engine_ops`, hold a real
-engine to the oracle.
-"""
+"""The steering operations: one row each, the one place an operation is defined."""
 
 from __future__ import annotations
 

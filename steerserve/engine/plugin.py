@@ -1,14 +1,4 @@
-"""vLLM general-plugin entry point (``vllm.general_plugins``: ``steerserve``).
-
-Runs in every vLLM process (front end, engine core, workers) of every vLLM in the environment,
-stock ``vllm serve`` included; cheap, idempotent, no device work. Everywhere it only registers
-the ``Steered<Arch>`` classes by import path (inert: an engine selects them only through the
-``hf_overrides`` steerserve passes). The seams that change vLLM's behaviour, the prefix-cache key
-(``prefix.py``, used by the scheduler in the engine core) and the lifeline (``lifeline.py``:
-EngineCore and its worker stop when their parent dies), are installed only in engines steerserve
-starts: :func:`activate` marks the process (:data:`ENV`), and the processes vLLM starts from it
-inherit the mark and install them when they load the plugin.
-"""
+"""vLLM general-plugin entry point (``vllm.general_plugins``: ``steerserve``)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,4 @@
-"""The prefix-cache seam: the one home of a steered request's cache key, built and parsed only here.
-
-vLLM chains its block hashes and mixes a request's ``cache_salt`` (the *client's*, untouched:
-tenant isolation stays vLLM's own rule) into block 0's hash. Steering whose ``positions`` start at
-the last prompt token or later leaves every earlier token's KV exactly unsteered (attention is
-causal), so those blocks may be shared with unsteered requests of the same client salt. A steered
-request therefore carries a second key, :func:`key`, in ``SamplingParams.extra_args``
-(:data:`KEY`; the server refuses it from clients): a digest of its entries and vector contents
-and where its steering starts. This seam adds that digest to the hash of the block holding the
-first steered token, so blocks wholly before it hash exactly as the same client's unsteered blocks
-do, and the chain keys that block and every later one by the steering too.
-
-What is shared, then: a block is read only by requests with the same client salt (or both none),
-and a block at or after the first steered token only by requests steered identically. The key is
-never read from ``cache_salt``, so no client string is parsed as ours; a malformed key or a
-steered request without one (never built by steerserve) shares nothing rather than raise inside
-the scheduler loop.
-
-The seam is one function, patched where vLLM's scheduler calls it, and only in engines steerserve
-starts (:func:`install`, called by ``plugin.activate``).
-"""
+"""The prefix-cache seam: the one home of a steered request's cache key, built and parsed only here."""
 
 from __future__ import annotations
 

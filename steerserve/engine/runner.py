@@ -1,14 +1,5 @@
 """The runner seams: tell the steering state which request sits at which batch position, and when
-requests come and go, before every forward.
-
-* V1 model runner (CPU; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): idempotent class patches of
-  ``GPUModelRunner`` (``CPUModelRunner`` inherits them): ``_update_states`` (slot bookkeeping),
-  ``_model_forward`` (fill the per-token index; a FULL CUDA-graph replay happens inside it),
-  ``sample_tokens`` (the steered rows the degeneracy check flagged, into the output) and
-  ``_dummy_run`` (profile, warm-up and capture see no steering).
-* Model Runner V2 (GPU default): no patch; the model returns :func:`steering_model_state_cls`,
-  vLLM's own per-model hook that sees ``add_request``/``remove_request``/``prepare_inputs``.
-"""
+requests come and go, before every forward."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""Per-request seeds on CPU: rewind a discarded draw by restoring the generator's state.
-
-When a seeded request's prefill is split across steps, the V1 runner samples a token for the
-unfinished prompt, throws it away, and rewinds the request's generator so the discarded draw
-leaves no trace (``_bookkeeping_sync``: ``gen.set_offset(gen.get_offset() - 4)``). That rewind
-only exists for CUDA's Philox generators; a CPU generator raises "CPU Generator does not use
-offset", which kills the engine. Here the CPU case keeps the same guarantee exactly: the states of
-the generators whose draw will be discarded are saved before sampling and restored right after,
-and the runner's own rewind skips them. CUDA generators are left to vLLM.
-"""
+"""Per-request seeds on CPU: rewind a discarded draw by restoring the generator's state."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Keep vLLM's worker processes alive through a SIGINT/SIGTERM sent to the whole process group.
-
-Ctrl+C in a terminal and most service managers signal every process of the group. EngineCore
-can drain on that signal (``shutdown_timeout`` > 0: it finishes the requests in flight, refuses
-new ones, then stops its workers itself by closing their death pipe), but vLLM's worker raises
-``SystemExit`` on the first signal and so kills the engine with the requests in flight. Inside a
-worker process those two signals are therefore ignored; a worker still stops when EngineCore
-closes its death pipe or dies, and the executor kills a worker that does not stop in time.
-"""
+"""Keep vLLM's worker processes alive through a SIGINT/SIGTERM sent to the whole process group."""
 
 from __future__ import annotations
 

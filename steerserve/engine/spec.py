@@ -1,17 +1,4 @@
-"""A request's steering: entries, admission validation and wire encoding.
-
-Shared by the front end (validation, encoding) and the worker (decoding, row planning),
-so both sides agree on what an entry means.
-
-An entry applies its operation (``op``, a row of ``engine/ops.py``: ``add``, ``ablate``,
-``replace``, ``interp``) with ``scale`` and ``vectors[vector]`` to the output of block ``layer``
-on the tokens ``positions`` selects (:data:`POSITIONS`). What an operation means, its scale bounds
-and whether it folds into the additive delta pool are the registry's; this module checks entries
-against it, plans the worker's rows (:func:`plan_rows` for the additive delta, :func:`plan_ops`
-for the other kernel) and encodes. Adding an operation is a row in ``engine/ops.py``: nothing
-here changes (an ``op`` other than ``add`` is encoded, and keyed in the prefix cache
-(``engine/prefix.py``), by name already).
-"""
+"""A request's steering: entries, admission validation and wire encoding."""
 
 from __future__ import annotations
 
@@ -64,13 +51,8 @@ MAX_LAYER = 2**31 - 1
 
 @dataclass(frozen=True, slots=True)
 class SteeringEntry:
-    """Apply ``op`` (default: add ``scale * vectors[vector]``) to the residual stream at the
-    output of decoder block ``layer`` (0-based; transformers' ``hidden_states[layer + 1]``) on
-    the tokens ``positions`` selects.
-
-    The one declaration of an entry: its fields, types, defaults, bounds and descriptions. The
-    request's JSON schema (:func:`entry_schema`), the response's echo, the artifact's
-    interventions and the admission check (:func:`entry`) read them from here."""
+    """Apply ``op`` (default: add ``scale * vectors[vector]``) at the output of decoder block
+    ``layer`` (0-based) on the tokens ``positions`` selects."""
 
     vector: Annotated[str, Field(min_length=1, description="a registered vector")]
     layer: Annotated[

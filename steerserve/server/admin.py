@@ -38,16 +38,8 @@ def admin_refusal(host: str, keyed: bool, open_admin: bool) -> str | None:
 
 
 class AdminGate:
-    """The one rule for the admin endpoints (loading a vector and changing the default, the
-    experiment's data and reports): an API key, when set, decides alone (the app checks it
-    first); without one they are refused beyond loopback unless ``--open-admin``; and when they
-    are open only because the server listens on loopback, a request must name a loopback host
-    (``Host: localhost``, ``127.0.0.1``, ``[::1]``, any port).
-
-    Why the Host rule: a web page the operator opens can point its own DNS name at 127.0.0.1
-    (DNS rebinding) and then send requests to this server as same-origin ones, which carry the
-    page's name in ``Host``; no local client names another host. ``--open-admin`` opens the
-    endpoints to whoever reaches the port, Host included (a local proxy passing its own Host)."""
+    """The one rule for admin endpoints: an API key decides alone; without one, loopback only
+    (naming a loopback host) unless ``--open-admin``."""
 
     def __init__(self, host: str, keyed: bool, open_admin: bool) -> None:
         self.refusal = admin_refusal(host, keyed, open_admin)

@@ -1,10 +1,5 @@
 """The OpenAI-compatible FastAPI app: factory, lifespan (engine in the background), error handlers
-and routes. Routes are thin: generation goes through ``pipeline.handle`` (one path for chat,
-completions, A/B and the Responses API), state and artifacts live in ``state.py``.
-
-Every request is validated in full (body, model, prompt length, steering) before it reaches the
-engine, so bad input is a 4xx in OpenAI's format and never a 500 or a silently unsteered answer.
-"""
+and thin routes over ``pipeline.handle``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Stopping on a signal without dropping anyone silently.
-
-The first SIGINT/SIGTERM drains: requests in flight may finish for ``--drain-seconds``. At that
-deadline, or on a second signal, what is still in flight is *dropped*: a collected request is
-answered 503 ``service_unavailable`` in OpenAI's format, a stream ends with an error event and
-``[DONE]``, and the process exits non-zero, its log saying how many were dropped. The HTTP server
-and EngineCore wait :data:`GRACE` seconds longer, so those answers are sent before they stop.
-"""
+"""Stopping on a signal without dropping anyone silently."""
 
 from __future__ import annotations
 

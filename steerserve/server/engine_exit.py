@@ -1,13 +1,4 @@
-"""Waiting for EngineCore to finish a stop it began itself (issue 21, defect 11).
-
-A SIGINT/SIGTERM sent to the whole process group reaches EngineCore too, which drains and then
-tears down: it restores the signal's default action, joins its worker and unlinks its shared
-memory. vLLM's ``AsyncLLM.shutdown`` then sends it SIGTERM once more, which, arriving during
-that teardown, kills it: its worker is orphaned (it outlived the server by seconds) and the
-resource tracker warns of "leaked shared_memory". So the server first waits for an EngineCore
-that is tearing itself down (it no longer catches SIGTERM) to exit; one that still catches it
-is not stopping (only the server was signalled) and is left to vLLM's shutdown.
-"""
+"""Waiting for EngineCore to finish a stop it began itself (issue 21, defect 11)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The last line of defence: an exception no handler typed becomes a 500 in OpenAI's format.
-
-Starlette's own catch-all (``ServerErrorMiddleware``) answers and then re-raises, and uvicorn then
-drops the keep-alive connection without ``Connection: close``, so the client's next request on it
-fails too. This middleware sits inside it, answers once, logs the traceback under a request id the
-client also sees, and returns normally: the connection stays usable.
-"""
+"""The last line of defence: an exception no handler typed becomes a 500 in OpenAI's format."""
 
 from __future__ import annotations
 

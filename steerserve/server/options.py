@@ -1,10 +1,4 @@
-"""``steerserve serve``'s settings (settings.py) as the server's: checked, and the process prepared.
-
-Why here and not in the CLI: which dtype a CPU gets, eager vs compiled, the KV cache sizing rule,
-binding every core and the refusal of a bad A/B experiment before the engine starts are server
-decisions; a supervisor or a test that starts the server in-process builds the same settings
-with :func:`read` and :func:`settings`. A bad option is an :class:`OptionError` naming it.
-"""
+"""``steerserve serve``'s settings (settings.py) as the server's: checked, and the process prepared."""
 
 from __future__ import annotations
 

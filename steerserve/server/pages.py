@@ -1,13 +1,5 @@
-"""The two pages people look at: ``/compare`` (both arms of one question side by side, streamed,
-and judged: "A better", "B better", "tie") and ``/experiments`` (the server's A/B experiment,
-live: its arms, allocation and phases, start and stop).
-
-The pages are static HTML and JS with no data in them, so they need no key; they read the API
-with the key the user types, so they follow the API's auth. ``/v1/steering/experiments`` and its
-controls are admin-level (the app gates them as the vectors admin: ``require_admin``), and its
-numbers come from ``ab_report.report``, the same code as ``steerserve ab-report``. A preference
-(``POST /v1/steering/preference``) needs the API key only, as feedback does.
-"""
+"""The two pages people look at: ``/compare`` (both arms of one question, streamed and judged) and
+``/experiments`` (the live A/B experiment)."""
 
 from __future__ import annotations
 

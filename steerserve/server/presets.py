@@ -1,12 +1,5 @@
-"""Steering presets served as model ids: a named steering configuration is chosen by ``model``
-alone, the way vLLM serves a LoRA adapter as its own model id (listed with its base model as
-``parent``), so clients that can send nothing but a model id (chat front ends' model pickers,
-lm-evaluation-harness, SDK wrappers that drop unknown fields) can choose steering.
-
-A preset is any ``steering`` value the API accepts. The served artifact gives two
-(:data:`DEFAULTS`); ``serve --preset NAME=SPEC`` adds more. Each is checked when the server
-starts (its vectors admitted), so a preset that names a missing vector never serves.
-"""
+"""Steering presets served as model ids, the way vLLM serves a LoRA adapter, so clients that can
+send only a model id can choose steering."""
 
 from __future__ import annotations
 

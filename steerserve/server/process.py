@@ -1,13 +1,4 @@
-"""The server as a process (``steerserve serve``): uvicorn, signals and the exit status.
-
-The first SIGINT or SIGTERM drains: new connections are refused and requests in flight finish
-(EngineCore, which gets the same signal when the whole process group is signalled, drains too,
-and is then waited for rather than signalled again: see ``engine_exit.py``).
-At ``--drain-seconds``, or on a second signal, what is still in flight is dropped and answered
-(503, or an error event in a stream: see ``drain.py``); a third signal stops at once. The exit
-status is 1 when the engine failed to load or died, so a supervisor restarts the process, or
-when requests were dropped (the log says how many); 0 after a drain that answered everyone.
-"""
+"""The server as a process (``steerserve serve``): uvicorn, signals and the exit status."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The HTTP boundary: OpenAI's chat/completions schema plus ``steering``, parsed once.
-
-Requests are strict (unknown fields and wrong types are refused), so a misspelt ``steering`` can
-never produce a silently unsteered answer. ``steering`` is a discriminated union (:data:`Steering`)
-validated with the rest of the body; every problem becomes an :class:`ApiError` naming its field.
-What the server answers is in ``answers.py``; the error format in ``errors.py``.
-"""
+"""The HTTP boundary: OpenAI's chat/completions schema plus ``steering``, parsed once."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""Slow clients: a request must arrive in full (head and body) within a deadline.
-
-uvicorn times out idle keep-alive connections only: a client that opens a connection and sends
-half a request head, or trickles its body, holds a connection (and a file descriptor) forever,
-400 of them as long as it likes. The protocol here closes such a connection at the deadline,
-answering 408 (OpenAI's format, ``connection: close``) when no response has begun, whether the
-head or the body is unfinished; one whose response is under way or done is closed only (a
-request refused before its body was read, a wrong key or Host, must not hold it either). The app, still
-waiting for the body, sees the request end in an :class:`ApiError` 408 (not a hang-up, 499), so
-its metrics and logs count what the client was answered.
-"""
+"""Slow clients: a request must arrive in full (head and body) within a deadline."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""A request's ``steering`` as one typed value: a discriminated union parsed with the body.
-
-``false``/``true``/``"auto"`` (also ``"off"``/``"on"``) and the two object forms become
-:class:`Off`, :class:`On`, :class:`Auto`, :class:`Multipliers` or :class:`Entries`; the policy
-turns one into engine entries. Refusals carry their own message and, where it lies deeper than
-pydantic's location, the rest of their field in the error's context (``field``).
-"""
+"""A request's ``steering`` as one typed value: a discriminated union parsed with the body."""
 
 from __future__ import annotations
 

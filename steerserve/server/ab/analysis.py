@@ -1,22 +1,5 @@
 """``steerserve ab-report LOG|STORE``: who won a server-side A/B experiment, read from its decision
-log or its experiment store; the numbers ``/experiments`` shows.
-
-Per experiment, for every metric of the registry (``metrics.py``) that has values, overall and
-per detected language: each arm's mean at the unit of randomisation (the subject), the steered -
-unsteered difference with its always-valid interval (an mSPRT confidence sequence,
-:mod:`steerserve.server.ab.stats`), what it calls, and the sample still needed for the metric's
-stated effect. The intervals are corrected for the family of every metric and language of the
-experiment (Bonferroni), so reading every verdict at every refresh calls a false winner with
-probability at most 5 %. The winner is called on the primary metric and withheld when the winning
-arm is worse on a guardrail. Languages where the steered arm was not applied (``auto`` left the
-prompts unsteered) are shown as such and left out of the overall comparison. The fixed-horizon
-numbers stay as a labelled second view.
-
-An experiment is analysed per phase (``design.py``: each change of allocation or arms starts
-one), from the allocation its record holds, never pooled across phases; within a phase every
-treatment is compared with the control and the family covers them all. The pairs of the A/B
-endpoint are judged by preferences (``pairs.py``).
-"""
+log or its experiment store; the numbers ``/experiments`` shows."""
 
 from __future__ import annotations
 

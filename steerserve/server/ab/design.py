@@ -1,16 +1,5 @@
-"""An experiment's design as a record: its arms (each a steering value or a preset, one the
-control), the allocation of subjects to them, and its phases (every change of allocation or arms
-starts one; each is analysed alone, never pooled with another).
-
-Assignment is a pure function of (experiment name, subject, the phases so far): the subject's
-hash picks one of :data:`BUCKETS` buckets, and each phase's layout says which arm holds each
-bucket. Every replica computes the same layout from the same recorded phases. A layout changes
-only as far as a phase says: a treatment that grows takes buckets that were the control's (so a
-subject moves only from the control to a treatment when the treatment's share grows), one that
-shrinks gives its highest buckets back to the control, and nobody else moves. Phase 1 gives the
-treatments the lowest buckets in arm order, so two arms at split ``s`` steer exactly the
-subjects whose hash is below ``s``, as the split before phases did.
-"""
+"""An experiment's design as a record: its arms (one the control), the allocation of subjects, and
+its phases, each analysed alone, never pooled."""
 
 from __future__ import annotations
 

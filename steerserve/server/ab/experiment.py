@@ -1,11 +1,5 @@
-"""A server-side A/B experiment: a sticky split of subjects (users) into a steered and an
-unsteered arm, a JSONL decision log, and feedback joined to it.
-
-The arm is a pure function of (experiment name, subject): the same user lands in the same arm on
-every request and across restarts, and renaming the experiment reshuffles. The log is append-only;
-feedback is appended as its own line and joined by completion id when the report is built, so no
-line is ever rewritten.
-"""
+"""A server-side A/B experiment: a sticky split of subjects (users) into a steered and an unsteered
+arm, a JSONL decision log, and feedback joined to it."""
 
 from __future__ import annotations
 
@@ -313,13 +307,8 @@ def _ends_mid_line(path: Path) -> bool:
 
 
 class Decisions:
-    """The completion ids this server answered and logged (bounded), so feedback can be checked
-    and joined; and those whose decision line was lost, so their feedback is refused, not logged
-    for a decision the report will never see.
-
-    With an experiment store (``store``: its writer), the store holds the decisions and feedback
-    of every replica and the JSONL log, when also given, is an export; the ids remembered here
-    let feedback queue behind this replica's own records while the store is unreachable."""
+    """The completion ids this server answered and logged (bounded), and those whose decision line
+    was lost, so their feedback is refused."""
 
     def __init__(self, log: DecisionLog, store: Any = None) -> None:
         self.log = log
@@ -385,13 +374,8 @@ class Decisions:
             return self._seen.get(rid)
 
     def feedback(self, rid: str, score: float, metric: str = FEEDBACK) -> dict[str, Any]:
-        """Append feedback (or a pair's preference) for a known id; the last of an id's scores
-        per metric counts. ``KeyError``: unknown id; :class:`DecisionNotLogged`: its decision
-        line was lost; ``MetricError`` (a ValueError naming its field): a metric not in the
-        registry, one the server measures itself, or a score out of the metric's range;
-        :class:`WrongKind`: a preference for an answer that is not a pair, or a score for one
-        that is; :class:`FeedbackLimit`: too many for this id; :class:`LogUnwritable`: the line
-        was not written (the score is lost, so say so). Nothing is written when refused."""
+        """Append feedback (or a pair's preference) for a known id; the last score per metric
+        counts. Refusals raise (types below); nothing is written then."""
         score = ab_metrics.posted_metric(metric).check(score)
         if self.store is not None:
             return self._stored_feedback(rid, score, metric)

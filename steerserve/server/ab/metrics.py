@@ -1,17 +1,5 @@
-"""The A/B experiment's metrics, in one registry: what each measures, which way is better, its
-range and how its value is had, so the statistics (``stats.py``) and the report (``analysis.py``)
-treat every metric alike and a deployment adds its own with :func:`register` (or the
-``steerserve.ab_metrics`` entry point) without touching either.
-
-Three kinds. *Automatic* metrics are computed by the report from what the decision record says of
-every answer (the prompt's and the reply's detected language, latency, tokens, finish reasons):
-no human needed, both arms alike. *Feedback* metrics are posted by a client or a judge to
-``POST /v1/steering/feedback`` with the metric's name (``feedback``, the default, is the human
-score). *Paired* metrics judge the two answers of one pair (``/v1/chat/completions/ab``, the
-``/compare`` page): ``preference`` is posted to ``POST /v1/steering/preference`` and tested on
-its own, one sample against "no preference" (``pairs.py``). A record that lacks what a metric needs (a log from before replies were detected) gives
-no value: the report says the metric is missing, never zero.
-"""
+"""The A/B metrics in one registry (direction, range, how each value is had), so stats and report
+treat every metric alike and a deployment can add its own."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Paired preferences: the answers of one A/B request (``/v1/chat/completions/ab``, the
-``/compare`` page) judged side by side, "A better", "B better" or "a tie" (-1, +1, 0; B is the
-steered answer). The design needs no split: every judgement compares the arms on the same
-prompt, so the unit of evidence is the preference itself and the test is one sample against
-"no preference". It is the registry's ``preference`` metric, tested as every metric is, at the
-subject (a person's judgements move together), always valid (the mSPRT of ``stats.one_sample``),
-at the level of its family (every treatment x group of an experiment's pairs, Bonferroni);
-the exact sign test of the judged pairs without ties stays as a labelled fixed-horizon view.
-"""
+"""Paired preferences (A better, B better, tie: -1, +1, 0) of one A/B request's answers, tested at
+the subject as one sample against no preference."""
 
 from __future__ import annotations
 

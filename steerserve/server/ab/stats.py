@@ -1,29 +1,5 @@
 """Statistics for an A/B experiment that people watch while it runs, at the unit the split
-randomises: the subject (user), not the reply.
-
-Arms are sticky per subject, so one heavy user's replies move together: counted as independent
-replies, a test of 40 users x 50 replies called a false winner in half of A/A runs (measured in
-tests/server/ab/test_ab_simulation.py). Every metric here is a ratio metric: per subject i the sum S_i of
-its values and their count N_i, the arm's mean sum(S) / sum(N), and its variance by the delta
-method (Deng et al., "Applying the delta method in metric analytics", 2018; the same as a
-cluster-robust variance with subjects as clusters), each arm's own (unpooled: v_a + v_b, so an
-uneven split with unequal variances keeps its level).
-
-- :func:`always_valid_arrays`: a mixture sequential probability ratio test (mSPRT; Robbins 1970;
-  Johari, Koomen, Pekelis and Walsh, "Always valid inference", 2017/2022) for the difference of
-  the arms: an always-valid p-value and its confidence sequence, an interval that covers the true
-  difference at every sample size at once with probability 1 - alpha, so a live page may be
-  read at every refresh and the experiment stopped at any time.
-- :func:`family_alpha`: Bonferroni over the verdicts of one experiment (languages x metrics): the
-  always-valid p-values are valid at every look, so the union bound holds over every look too.
-- :func:`running_moments`: the per-subject sums after every reply (a confidence sequence over
-  time, and the simulations, which peek at every reply through the same code).
-- :func:`srm`: a sample-ratio-mismatch check (did the arms get the share of subjects the split
-  assigns?), since a broken assignment or a logging loss in one arm biases any comparison.
-
-Pure numpy and scipy; every function takes arrays (a simulation runs thousands of experiments at
-once through the code the report uses).
-"""
+randomises: the subject (user), not the reply."""
 
 from __future__ import annotations
 
@@ -116,13 +92,8 @@ def moments(subjects: ArrayLike, values: ArrayLike) -> Moments:
 def ratio(
     m: Moments, lo: float = -1.0, hi: float = 1.0, center: ArrayLike | None = None
 ) -> tuple[F, F]:
-    """(mean, variance of the mean) of one arm: sum(S) / sum(N) and its delta-method variance
-    n / (n - 1) * sum((S_i - R N_i)^2) / sum(N)^2. A bounded metric's (``lo``, ``hi`` finite)
-    is shrunk with :data:`PRIOR_DF` toward the largest it can be, every subject's values alike
-    ((hi - m)(m - lo) sum(N^2) / sum(N)^2, Bhatia-Davis at an ICC of 1, at ``center``: the
-    mean of both arms, which the null says they share; default the arm's own), and floored at
-    :data:`VAR_FLOOR` per reply; an unbounded one's is the data's (NaN below 2 subjects),
-    floored at :data:`REL_FLOOR` of its mean."""
+    """(mean, variance of the mean) of one arm: the ratio estimator with its delta-method variance,
+    shrunk for bounded metrics and floored."""
     n, c = np.asarray(m.n, dtype=float), np.asarray(m.c, dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):
         r = m.s / c

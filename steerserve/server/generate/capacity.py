@@ -1,31 +1,5 @@
-"""What one request may cost everyone else: its prompt work (:class:`Budget`) and its share of
-the engine's sequence seats (:class:`Seats`).
-
-**Prompt work.** vLLM's continuous batching serves running requests before waiting ones, so a
-request's prefill delays every request that arrives after it; scoring its prompt (prompt
-logprobs: ``echo`` with ``logprobs``) also computes a vocabulary of logits per prompt token. 32
-prompts of 1,900 tokens with ``echo`` and ``logprobs`` on a 262,144-token vocabulary held a 1-token
-request behind them for 245 s and grew the worker by 3.4 GB. A request's prompt tokens and its
-scored prompt tokens are therefore capped (:func:`budget`), counted over its engine calls as vLLM
-tokenizes them (the A/B endpoint's two arms twice): past a cap, a 400 naming the field.
-
-**Seats.** vLLM admits requests first come, first served until its ``max_num_seqs`` seats are taken: two
-requests of ``n`` 32 from one client filled a 64-seat engine and a 1-token request behind them
-waited 95 s for a seat. vLLM has no per-client share or reservation (its priority policy only
-picks whom to preempt when KV runs out), so the front end keeps them, before the engine sees the
-request:
-
-- a request of one sequence (a chat turn, a scoring request) is never held here;
-- requests of several sequences (``n``, several prompts, the A/B endpoint's two arms) together
-  leave :func:`reserved` seats free, so a small request finds a seat at the engine's next step;
-- one client (the API key it sent where the server has several, else its address:
-  ``pipeline.client_of``, never the ``user`` field a client may rotate) holds at most
-  ``per_client`` seats in such requests;
-- a request that does not fit waits, first come first served, at most ``max_wait`` seconds, and
-  at most ``max_waiting`` requests per client wait: past either, a 429 naming the limit;
-- seats measure engine work: a stream gives them back when its engine requests end, not when
-  its client has read the last byte (``streaming.merge``).
-"""
+"""What one request may cost everyone else: its prompt work (:class:`Budget`) and its share of the
+engine's sequence seats (:class:`Seats`)."""
 
 from __future__ import annotations
 

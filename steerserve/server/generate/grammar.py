@@ -1,12 +1,4 @@
-"""Bounds on structured outputs: what one request's grammar may cost the engine.
-
-vLLM compiles a request's JSON schema, regex or grammar with xgrammar in the engine core, whose
-compiled grammars and compiler cache are never given back to the system: eight distinct 200 KB
-schemas (5,000 required properties with patterns) grew the engine core from 1.3 to 6.3 GB. vLLM has
-no size limit of its own, so the server refuses a grammar past :data:`MAX_GRAMMAR_CHARS` (its JSON
-text, summed over the request's grammar-bearing fields) with a 400 naming the field, and caps
-xgrammar's compiler cache in the engine (``engine/plugin.py``: ``XGRAMMAR_CACHE_MB``).
-"""
+"""Bounds on structured outputs: what one request's grammar may cost the engine."""
 
 from __future__ import annotations
 

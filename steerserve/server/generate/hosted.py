@@ -1,18 +1,5 @@
 """vLLM's own OpenAI serving layer, hosted on the server's engine: the one seam where steering
-enters chat and completions.
-
-vLLM's ``OpenAIServingChat`` / ``OpenAIServingCompletion`` give the whole OpenAI surface (tools and
-their parsers, structured outputs, echo and prompt logprobs, every sampling field, the answer and
-stream shapes) on any engine client with ``generate()``. They are built here on
-:class:`SteeringEngine`, a thin proxy of the server's ``AsyncLLM`` whose ``generate()`` applies
-the steering the pipeline admitted for this request (:class:`Plan`, bound to the copies of the
-serving objects that arm's call runs on, :meth:`Serving.planned`): one plan per A/B arm, one admitted steering per engine call, so each prompt of a completions batch
-keeps its own ``auto`` decision. Nothing else reaches the worker: a ``steerserve`` key a client
-put in ``vllm_xargs`` is refused before (``protocol``) and removed here again.
-
-The serving classes are vLLM-internal. :func:`check_version` refuses a vLLM this module has not
-been read against (``docs/vllm-seams.md`` records the 0.33 equivalents).
-"""
+enters chat and completions."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""The one path of every generation request (chat, completions, A/B; streamed or collected):
-
-read -> admit -> steer_arms -> plan -> vLLM's serving call -> collect or stream -> finish,
-
-each step a function of one :class:`~steerserve.server.generate.job.Job` (the request and what
-the steps before learned of it).
-
-What differs between endpoints (schema, texts, which serving call) is in ``endpoints.py``; the
-answers themselves are vLLM's serving layer's, hosted on the engine in ``hosted.py``, where the
-plan made here applies the admitted steering to each engine call. The rest is written once here:
-the checks before the engine sees anything, language detection and policy, admission, the plan and
-the collected answer with its ``steering``. Beside it, by job: ``flight.py`` settles a
-submitted request whatever happens (the queue gauge, the client going away, engine errors,
-closing engine requests, token and request metrics), ``streaming.py`` streams an answer, and
-``enrolment.py`` puts a request under the A/B experiment.
-"""
+"""The one path of every generation request (chat, completions, A/B; streamed or collected):"""
 
 from __future__ import annotations
 

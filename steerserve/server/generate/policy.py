@@ -1,11 +1,5 @@
 """The steering policy: a request's typed ``steering`` (or the server default), the detected
-language and the loaded artifacts -> engine entries.
-
-:meth:`SteeringPolicy.resolve` is a pure function of those inputs; language detection (the only
-slow part) happens before it, and only when the steering is ``auto``. Every refusal is an
-:class:`ApiError` naming the field, so a request is never answered unsteered when it asked for
-steering.
-"""
+language and the loaded artifacts -> engine entries."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The streamed answer of a generation request: wait for every arm's first event (so an engine
-refusal is still a 4xx), then vLLM's server-sent events with our ``steering`` (and, in an A/B
-stream, each chunk's ``arm``), interleaving the arms, ending in ``[DONE]`` or an error event.
-
-A client that does not read costs nobody else: the engine's events are taken as they come
-(:func:`merge`), so its seats are given back when the engine's part ends, not when the last byte
-is sent; and a write that waits for the client longer than the server's bound cancels the stream
-(:class:`BoundedStream`).
-"""
+"""The streamed answer: wait for every arm's first event (so a refusal is still a 4xx), then vLLM's
+SSE with our ``steering`` and ``arm`` fields."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The A/B experiment store (``serve --ab-store URL``): one place every replica writes its
-decisions and feedback to and every report reads (``ab-report URL``, ``/experiments``), so
-feedback for an answer is joined whichever replica gets it, and the per-answer feedback cap
-holds across replicas.
-
-Two backends behind one interface (:class:`~steerserve.server.ab.store.base.Store`):
-``sqlite:///PATH`` (one file, WAL mode: several processes on one host; ``sqlite:////abs/path``)
-and ``postgresql://USER@HOST:PORT/DB`` (replicas on many hosts). Writes go through
-:class:`~steerserve.server.ab.store.writer.Writer`, off the request path.
-"""
+"""The A/B experiment store (``--ab-store URL``): every replica writes decisions and feedback to it
+and every report reads it, so feedback joins anywhere."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The experiment store's files on this host: a writer's write-ahead file (every record it
-queues, appended before the request is answered) and the files a stopped or killed process left
-(spill files kept at a clean stop, a dead process's write-ahead file), claimed by one process
-each and replayed.
-
-A file is claimed with an exclusive ``flock``: its writer holds one on its own write-ahead file
-while it lives, and the kernel lets go of it when the process dies however it dies, so "I could
-lock it" means "nobody is writing it" (this holds across containers sharing the volume, and for
-a restarted pod whose new process has the same pid as the old one).
-"""
+"""The store's files on this host: a writer's write-ahead file and the files a stopped or killed
+process left, claimed by one process each and replayed."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Records to the experiment store off the request path: a request appends its record to a
-bounded in-memory queue and to this process's write-ahead file (one ``write(2)``, no wait for
-the disk); one thread writes the queue in order, in batches, and retries while the store is
-unreachable. What cannot wait is counted, never silent: a full queue drops the new record
-(``steerserve_ab_store_dropped_total``, logged once per outage). At shutdown the queue is drained
-for a bounded time and what is left is kept in a spill file, written at the next start.
-
-The write-ahead file (``wal.py``) is what a crash leaves: a killed process (``kill -9``, the OOM
-killer) loses nothing, as the kernel holds what ``write(2)`` took; the next process that opens
-the folder replays it. Records still in it that reached the store before the crash are not
-written twice (decisions by id, feedback by its own id).
-"""
+"""Records to the experiment store off the request path: a bounded queue plus a write-ahead file,
+one writer thread, and every drop counted."""
 
 from __future__ import annotations
 
