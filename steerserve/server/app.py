@@ -19,8 +19,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from steerserve.server import pages, vllm_errors
+from steerserve.server import pages, vectors, vllm_errors
 from steerserve.server import protocol as P
+from steerserve.server.ab import service as ab_service
 from steerserve.server.answers import (
     ABResponse,
     ChatCompletion,
@@ -383,7 +384,7 @@ def _steering_router() -> APIRouter:
         responses={200: {"model": VectorListing}, 401: ERRORS[401]},
     )
     async def list_vectors(request: Request) -> dict[str, Any]:
-        return _state(request).listing()
+        return vectors.listing(_state(request))
 
     feedback = _route(P.FeedbackRequest, P.FeedbackAnswer)
     feedback["responses"] |= {
@@ -403,7 +404,7 @@ def _steering_router() -> APIRouter:
         s = _state(request)
         call = request.state.call = pipeline.Call("feedback")
         req = await read_request(request, P.FeedbackRequest, s.settings.max_body_bytes)
-        out = await s.feedback_joined(req.id, req.score, req.metric)  # the store's round trip
+        out = await ab_service.feedback_joined(s.decisions, req.id, req.score, req.metric)
         pipeline.finish(s, call, 200, timed=False)
         return out
 
@@ -421,7 +422,7 @@ def _steering_router() -> APIRouter:
         s = _state(request)
         call = request.state.call = pipeline.Call("vectors")
         req = await read_request(request, VectorLoadRequest, s.settings.max_body_bytes)
-        out = await s.load_named(req.name, req.default)
+        out = await vectors.load_named(s, req.name, req.default)
         pipeline.finish(s, call, 200, timed=False)
         return out
 

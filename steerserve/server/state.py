@@ -1,5 +1,5 @@
 """The server's state: settings, the backend, the steering policy, metrics and readiness, and the
-artifacts it loads (at start, or by name at run time)."""
+artifacts it loads at start (by name at run time: ``vectors.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from steerserve.artifacts import Artifact, Scanned, newest_first, scan_artifacts
 from steerserve.engine.spec import SteeringError
 from steerserve.server.ab import service as ab_service
 from steerserve.server.ab.experiment import DecisionLog, Decisions
-from steerserve.server.admin import AdminGate, check_ref
+from steerserve.server.admin import AdminGate
 from steerserve.server.backend import Backend
 from steerserve.server.defaults import seqs_per_request
 from steerserve.server.drain import Drain
@@ -29,7 +29,7 @@ from steerserve.server.metrics import Metrics
 from steerserve.server.presets import DEFAULTS, Preset, parse_option, preset_id
 from steerserve.server.runtime import ServerSettings
 from steerserve.server.steering import MODES, Off
-from steerserve.server.vetting import check_artifacts, loadable
+from steerserve.server.vetting import check_artifacts
 
 logger = logging.getLogger("steerserve.server")
 
@@ -122,7 +122,7 @@ class ServerState:
         """Start the engine, register the artifacts made for this model (the first of
         :func:`newest_first` becomes the default), fall back to ``off`` without one."""
         try:
-            found = await asyncio.to_thread(self._scan) if self.backend.cfg.steering else []
+            found = await asyncio.to_thread(self.scan) if self.backend.cfg.steering else []
             # before the engine: a refusal costs no engine start
             check_artifacts(found, self.settings.engine.max_abs_scale)
             ab_service.check_loaded(
@@ -205,7 +205,7 @@ class ServerState:
             self.presets[pid] = Preset(pid, spec, raw, source)
         ab_service.check_presets(self.experiment, self.presets, self.model_name)
 
-    def _scan(self, names: Collection[str] | None = None) -> list[Scanned]:
+    def scan(self, names: Collection[str] | None = None) -> list[Scanned]:
         """The artifact directories under the vectors directory (of ``names`` only, when given),
         verified for this model."""
         root = self.settings.vectors_dir
@@ -220,58 +220,6 @@ class ServerState:
             await self.backend.register(m.vector_name(iv), tensor, str(art.path), iv.sha256)
         self.policy.add(art, make_default)
         return art
-
-    async def feedback_joined(
-        self, rid: str, score: float, metric: str = "feedback"
-    ) -> dict[str, Any]:
-        """``POST /v1/steering/feedback``: a score joined to the arm of the answer ``rid``
-        (``ab/service.py``)."""
-        return await ab_service.feedback_joined(self.decisions, rid, score, metric)
-
-    # --- the vectors endpoints -------------------------------------------------------------------
-
-    def listing(self) -> dict[str, Any]:
-        """``GET /v1/steering/vectors``: the loaded artifacts, the default, the policy."""
-        return {
-            "object": "list",
-            "default": self.policy.default_artifact,
-            "policy": self.policy.default,
-            "data": [
-                {
-                    "id": key,
-                    "name": a.manifest.name,
-                    "version": a.manifest.version,
-                    "default": key == self.policy.default_artifact,
-                    "interventions": sorted(iv.name for iv in a.manifest.interventions),
-                    # the languages "auto" steers (null: every non-English one)
-                    "auto_languages": a.manifest.auto_languages(),
-                    "manifest": a.manifest.model_dump(mode="json"),
-                }
-                for key, a in self.policy.artifacts.items()
-            ],
-        }
-
-    async def load_named(self, ref: str, make_default: bool) -> dict[str, Any]:
-        """``POST /v1/steering/vectors``: load ``name[/version]`` (its newest version when
-        omitted) from the vectors directory; never a path (the route checks ``self.admin``)."""
-        if not self.ready:
-            raise ApiError("the engine is still loading", status=503, type="service_unavailable")
-        check_ref(ref)
-        if not self.backend.cfg.steering:
-            raise ApiError("this server was built without the steering plugin", param="name")
-        art = await self._find(ref)
-        try:
-            loaded = await self.add_artifact(art, make_default=make_default)
-        except ValueError as e:  # same name/version, other data: artifacts are immutable
-            raise ApiError(str(e), status=409, param="name", code="conflict") from None
-        logger.info("loaded artifact %s (default: %s)", loaded.key, self.policy.default_artifact)
-        return {"loaded": loaded.key, **self.listing()}
-
-    async def _find(self, ref: str) -> Artifact:
-        """``name/version``, or ``name``'s newest version, from the vectors directory (404 or
-        422: ``vetting.loadable``)."""
-        found = await asyncio.to_thread(self._scan, {ref.split("/")[0]})
-        return loadable(found, ref, self.settings.engine.max_abs_scale, self.settings.vectors_dir)
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:
