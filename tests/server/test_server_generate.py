@@ -1,11 +1,12 @@
-"""generate/'s steps (read, admit, steer, plan) against a small context, no engine: the server's
-own parts (settings, backend admission, policy, detector, seats, metrics) over a tiny model's
-config and tokenizer, an engine stand-in that only reports its limits."""
+"""generate/'s steps (read, admit, steer, plan; a request's flight) against a small context, no
+engine: the server's own parts (settings, backend admission, policy, detector, seats, metrics)
+over a tiny model's config and tokenizer, an engine stand-in that only reports its limits."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
 from steerserve.server.generate import endpoints, pipeline
 from steerserve.server.generate.capacity import Seats
-from steerserve.server.generate.flight import Call
+from steerserve.server.generate.flight import Call, ClientGone, Flight, until_disconnect
 from steerserve.server.generate.job import Job
 from steerserve.server.generate.policy import LanguageDetector, SteeringPolicy
 from steerserve.server.metrics import Metrics
@@ -82,11 +83,18 @@ def ctx(tiny_llama: Path, tmp_path: Path, detector: LanguageDetector) -> Context
     return Context(settings, backend, policy, detector)
 
 
-def request(body: dict[str, Any], headers: dict[str, str] | None = None) -> Request:
-    data = json.dumps(body).encode()
+def request(
+    body: dict[str, Any], headers: dict[str, str] | None = None, gone: asyncio.Event | None = None
+) -> Request:
+    """A request whose body arrives at once and whose client then waits, as a socket does,
+    hanging up once ``gone`` is set (never, without one)."""
+    data = [json.dumps(body).encode()]
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": data, "more_body": False}
+        if data:
+            return {"type": "http.request", "body": data.pop(), "more_body": False}
+        await (gone or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
 
     given = {"content-type": "application/json", **(headers or {})}
     scope = {
@@ -191,3 +199,100 @@ def test_steering_that_cannot_apply_is_refused_naming_its_field(ctx: Context) ->
     for step in (pipeline.read, pipeline.admit):
         asyncio.run(step(j))
     assert refused(pipeline.steer_arms, j).param.startswith("steering")
+
+
+async def _engine(tokens: int, fail: BaseException | None = None) -> AsyncGenerator[int, None]:
+    """An engine request's stream: ``tokens`` outputs, then ``fail`` raised, if given."""
+    for i in range(tokens):
+        await asyncio.sleep(0)
+        yield i
+    if fail is not None:
+        raise fail
+
+
+def _value(metric: Any, **labels: str) -> float:
+    return (metric.labels(**labels) if labels else metric)._value.get()
+
+
+def test_a_flight_settles_once_and_closes_its_engine_requests(ctx: Context) -> None:
+    """Collected in full: 200, tokens counted per arm, seats back, the queue gauge at 0 again;
+    an engine error (a ValueError: the caller's) is the API error it maps to, every engine
+    stream closed all the same and the request counted with that status."""
+    call = Call("chat", arm="steered")
+    gens = [_engine(3), _engine(3)]  # the second never read: closed by the flight all the same
+
+    async def collected() -> None:
+        call.seats = await ctx.seats.take("addr:10.0.0.1", 2)
+        async with Flight(ctx, call, request(chat()), gens) as f:
+            assert _value(ctx.metrics.queue_depth) == 1
+            async for _ in gens[0]:
+                f.count("steered", 0, 1)
+            f.count("steered", 5, 0)
+
+    asyncio.run(collected())
+    assert call.done and call.tokens == (5, 3) and ctx.seats.in_use == 0
+    assert _value(ctx.metrics.queue_depth) == 0
+    assert _value(ctx.metrics.tokens, arm="steered", kind="completion") == 3
+    assert _value(ctx.metrics.requests, endpoint="chat", arm="steered", status="200") == 1
+    assert [g.ag_frame for g in gens] == [None, None]  # both closed
+
+    call, gens = Call("chat"), [_engine(1, ValueError("temperature must be >= 0"))]
+
+    async def failing() -> None:
+        async with Flight(ctx, call, request(chat()), gens):
+            async for _ in gens[0]:
+                pass
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(failing())
+    assert (e.value.status, e.value.message) == (400, "temperature must be >= 0")
+    assert _value(ctx.metrics.requests, endpoint="chat", arm="none", status="400") == 1
+    assert gens[0].ag_frame is None and _value(ctx.metrics.queue_depth) == 0
+
+
+def test_a_client_that_hangs_up_is_a_499_and_its_work_is_cancelled(ctx: Context) -> None:
+    """``until_disconnect`` cancels the engine work when the client goes (ClientGone), and the
+    flight counts it as 499 and swallows it (the caller answers nobody)."""
+    cancelled = []
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def hang_up() -> bool:
+        gone = asyncio.Event()
+        req = request(chat(), gone=gone)
+        asyncio.get_running_loop().call_later(0.01, gone.set)
+        async with Flight(ctx, call, req, []):
+            await until_disconnect(req, work(), ctx.drain)
+        return True
+
+    call = Call("chat")
+    assert asyncio.run(hang_up()) and cancelled == [True]
+    assert _value(ctx.metrics.requests, endpoint="chat", arm="none", status="499") == 1
+    with pytest.raises(ClientGone):
+        asyncio.run(until_disconnect(request(chat(), gone=_set()), work(), ctx.drain))
+
+
+def test_the_drain_drops_work_in_flight_as_503(ctx: Context) -> None:
+    """Past the drain deadline, work still running is cancelled and answered the drain's 503
+    (counted), not left to finish."""
+
+    async def dropped() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, ctx.drain.drop, "test")
+        await until_disconnect(request(chat()), asyncio.sleep(3600), ctx.drain)
+
+    ctx.drain = Drain()
+    with pytest.raises(ApiError) as e:
+        asyncio.run(dropped())
+    assert e.value.status == 503 and ctx.drain.count == 1
+
+
+def _set() -> asyncio.Event:
+    gone = asyncio.Event()
+    gone.set()
+    return gone
