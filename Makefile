@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # CPU image's install steps in a fresh venv (tests/test_deploy.py) read it offline.
 WHEELS ?= .work/wheelhouse
 
-.PHONY: setup browser postgres test test-fast lint serve
+.PHONY: setup browser postgres test test-fast test-release lint serve
 
 setup: $(VENV)/.setup-done
 
@@ -54,7 +54,11 @@ lint: setup
 	$(BIN)/ruff format --check steerserve tests bench
 
 test: setup lint
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not release"
+
+# Before a release: the checks of paths not served by default (the chat model's 4-bit sibling).
+test-release: setup
+	$(BIN)/python -m pytest -q -ra -m release
 
 # The inner loop: every test that starts no engine, server or process (tests/conftest.py: heavy).
 test-fast: setup lint
