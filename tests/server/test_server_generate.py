@@ -210,8 +210,9 @@ async def _engine(tokens: int, fail: BaseException | None = None) -> AsyncGenera
         raise fail
 
 
-def _value(metric: Any, **labels: str) -> float:
-    return (metric.labels(**labels) if labels else metric)._value.get()
+def _value(ctx: Context, sample: str, **labels: str) -> float | None:
+    """A sample of the context's registry, read as ``/load`` reads it (app.py)."""
+    return ctx.metrics.registry.get_sample_value(sample, labels)
 
 
 def test_a_flight_settles_once_and_closes_its_engine_requests(ctx: Context) -> None:
@@ -224,16 +225,18 @@ def test_a_flight_settles_once_and_closes_its_engine_requests(ctx: Context) -> N
     async def collected() -> None:
         call.seats = await ctx.seats.take("addr:10.0.0.1", 2)
         async with Flight(ctx, call, request(chat()), gens) as f:
-            assert _value(ctx.metrics.queue_depth) == 1
+            assert _value(ctx, "steerserve_queue_depth") == 1
             async for _ in gens[0]:
                 f.count("steered", 0, 1)
             f.count("steered", 5, 0)
 
     asyncio.run(collected())
     assert call.done and call.tokens == (5, 3) and ctx.seats.in_use == 0
-    assert _value(ctx.metrics.queue_depth) == 0
-    assert _value(ctx.metrics.tokens, arm="steered", kind="completion") == 3
-    assert _value(ctx.metrics.requests, endpoint="chat", arm="steered", status="200") == 1
+    assert _value(ctx, "steerserve_queue_depth") == 0
+    assert _value(ctx, "steerserve_tokens_total", arm="steered", kind="completion") == 3
+    assert (
+        _value(ctx, "steerserve_requests_total", endpoint="chat", arm="steered", status="200") == 1
+    )
     assert [g.ag_frame for g in gens] == [None, None]  # both closed
 
     call, gens = Call("chat"), [_engine(1, ValueError("temperature must be >= 0"))]
@@ -246,8 +249,8 @@ def test_a_flight_settles_once_and_closes_its_engine_requests(ctx: Context) -> N
     with pytest.raises(ApiError) as e:
         asyncio.run(failing())
     assert (e.value.status, e.value.message) == (400, "temperature must be >= 0")
-    assert _value(ctx.metrics.requests, endpoint="chat", arm="none", status="400") == 1
-    assert gens[0].ag_frame is None and _value(ctx.metrics.queue_depth) == 0
+    assert _value(ctx, "steerserve_requests_total", endpoint="chat", arm="none", status="400") == 1
+    assert gens[0].ag_frame is None and _value(ctx, "steerserve_queue_depth") == 0
 
 
 def test_a_client_that_hangs_up_is_a_499_and_its_work_is_cancelled(ctx: Context) -> None:
@@ -272,7 +275,7 @@ def test_a_client_that_hangs_up_is_a_499_and_its_work_is_cancelled(ctx: Context)
 
     call = Call("chat")
     assert asyncio.run(hang_up()) and cancelled == [True]
-    assert _value(ctx.metrics.requests, endpoint="chat", arm="none", status="499") == 1
+    assert _value(ctx, "steerserve_requests_total", endpoint="chat", arm="none", status="499") == 1
     with pytest.raises(ClientGone):
         asyncio.run(until_disconnect(request(chat(), gone=_set()), work(), ctx.drain))
 
