@@ -143,15 +143,31 @@ def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path
                         folder = Path(a.profile) / f"{kind}-r{r}-{arm}-c{c}"
                         res = pyspy.profiled(proc.tree(), folder, call)
                     else:
-                        res = call()
+                        before = proc.cpu_by_role()
+                        res = call() | {"cpu_ms_per_token": cpu_per_token(proc, before, a, c)}
                     runs[arm].append(res)
                     out["passes"].append({"arm": arm, "c": c, "pass": i} | res)
                     print(json.dumps({"round": r, "arm": arm, "c": c, "pass": i} | res), flush=True)
             for arm in names:
                 out[arm][f"c{c}"] = {k: statistics.median(x[k] for x in runs[arm]) for k in METRICS}
+                if cpu := [x["cpu_ms_per_token"] for x in runs[arm] if "cpu_ms_per_token" in x]:
+                    out[arm][f"c{c}"]["cpu_ms_per_token"] = {
+                        k: statistics.median(x[k] for x in cpu) for k in cpu[0]
+                    }
         return out
     finally:
         proc.stop()
+
+
+def cpu_per_token(
+    proc: harness.Server, before: dict[str, float], a: argparse.Namespace, c: int
+) -> dict[str, float]:
+    """CPU milliseconds per output token of each of the server's roles over one workload (its
+    tokens: prompts x ``--output-len``, ``ignore_eos``): which process spends what stock's does
+    not, on the two cores they share."""
+    tokens = (a.prompts if c > 1 else a.prompts_c1) * a.output_len
+    after = proc.cpu_by_role()
+    return {k: (after[k] - before[k]) * 1e3 / tokens for k in after}
 
 
 def profile_table(folder: Path) -> dict[str, dict[str, float]]:
@@ -176,6 +192,18 @@ def throughputs(rounds: list[dict]) -> dict[str, dict[str, list[float]]]:
     return tps
 
 
+def cpu_table(rounds: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{arm: {cN: {role: median CPU ms per output token over rounds}}}``."""
+    got: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for x in rounds:
+        for arm, by_c in x.items():
+            for key, v in by_c.items() if isinstance(by_c, dict) else ():
+                if "cpu_ms_per_token" in v:
+                    got.setdefault(arm, {}).setdefault(key, []).append(v["cpu_ms_per_token"])
+    return {arm: {key: {k: statistics.median(d[k] for d in ds) for k in ds[0]}
+                        for key, ds in by_c.items()} for arm, by_c in got.items()}  # fmt: skip
+
+
 def summarise(tps: dict, arms: list[str], conc: list[int]) -> dict:
     """Per-round ratios of output tokens/s: every arm over ``off``, and ``off`` over stock."""
     pairs = [(arm, "off") for arm in arms if arm != "off"] + [("off", "stock")]
@@ -194,6 +222,12 @@ def report(summary: dict) -> None:
     for name, v in summary["ratios"].items():
         per = ", ".join(f"{x:.3f}" for x in v["per_round"])
         print(f"| {name} | {v['median']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}] | {per} |")
+    if cpu := summary.get("cpu_ms_per_token"):
+        print("\n| arm | c | CPU ms per output token: front end | EngineCore | worker |")
+        print("|---|---|---|---|---|")
+        for arm, by_c in cpu.items():
+            for key, v in by_c.items():
+                print(f"| {arm} | {key[1:]} | " + " | ".join(f"{x:.2f}" for x in v.values()) + " |")
     for who, cats in summary.get("profile_s", {}).items():
         top = sorted(cats.items(), key=lambda kv: -kv[1])[:8]
         print(f"- {who}: " + ", ".join(f"{k} {v:.2f}s" for k, v in top))
@@ -208,7 +242,7 @@ def pooled(files: list[str]) -> dict:
         rounds += [x | {"round": base + x["round"]} for x in got["rounds"]]
     w = got["workload"]
     tps = throughputs(rounds)
-    return {"files": files, "output_throughput": tps,
+    return {"files": files, "output_throughput": tps, "cpu_ms_per_token": cpu_table(rounds),
             "ratios": summarise(tps, w["arms"], w["concurrency"])}  # fmt: skip
 
 
@@ -262,6 +296,7 @@ def main() -> None:
                 tps = throughputs(summary["rounds"])
                 summary |= {"output_throughput": tps, "wall_s": time.perf_counter() - t0}
                 summary["ratios"] = summarise(tps, a.arms, a.concurrency)
+                summary["cpu_ms_per_token"] = cpu_table(summary["rounds"])
                 a.out.write_text(json.dumps(summary, indent=2, default=str))  # a stop keeps it
                 print(json.dumps({"round": r, "server": kind, "s": time.perf_counter() - t0}))
     if a.profile:

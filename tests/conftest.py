@@ -35,6 +35,19 @@ def tiny_gemma(tiny_models: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
+def root(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+) -> Path:
+    """A module's folder, its ``vectors/`` holding one artifact (``v1``) for the tiny Llama; a
+    module whose server wants other vectors defines its own ``root``."""
+    from _server import make_artifact
+
+    root = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    make_artifact(root / "vectors", tiny_llama, "v1")
+    return root
+
+
+@pytest.fixture(scope="module")
 def http(server: Any) -> Iterator[Any]:
     """An httpx client of the module's ``server`` fixture (a ``_server.Server``) with the test
     key; a module whose server wants another client defines its own ``http``."""

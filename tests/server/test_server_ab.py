@@ -19,7 +19,6 @@ from _server import (
     FR,
     Server,
     chat_body,
-    make_artifact,
     metric,
     tiny_server,
     tiny_settings,
@@ -37,13 +36,6 @@ def _ab(root: Path, **kw: Any) -> dict[str, Any]:
     half the users steered, decisions logged to root/ab.jsonl (``kw``: more settings)."""
     ab = {"ab_split": 0.5, "ab_name": NAME, "ab_log": str(root / "ab.jsonl")}
     return {"vectors": root / "vectors", **ab, **kw}
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
-    root = tmp_path_factory.mktemp("ab")
-    make_artifact(root / "vectors", tiny_llama, "v1")
-    return root
 
 
 @pytest.fixture(scope="module")

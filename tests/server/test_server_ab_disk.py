@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _server import FR, MODEL, Server, make_artifact, metric, tiny_server
+from _server import FR, MODEL, Server, metric, tiny_server
 from test_server_ab import _ab
 
 from steerserve.server.ab.experiment import DecisionLog, Decisions
@@ -44,13 +44,6 @@ def disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The server's tmpfs, unmounted after the server closed its log."""
     with small_disk(tmp_path_factory.mktemp("disk")) as path:
         yield path
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
-    root = tmp_path_factory.mktemp("ab-disk")
-    make_artifact(root / "vectors", tiny_llama, "v1")
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,6 @@ ENGINE = {"max_model_len": 128, "kv_cache_memory_bytes": 32 << 20}  # tiny_setti
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
-    root = tmp_path_factory.mktemp("hardening")
-    make_artifact(root / "vectors", tiny_llama, "v1")
-    return root
-
-
-@pytest.fixture(scope="module")
 def server(tiny_llama: Path, root: Path) -> Iterator[Server]:
     from steerserve.server import create_app
 
