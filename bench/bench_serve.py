@@ -151,9 +151,7 @@ def one_server(kind: str, model: Path, r: int, a: argparse.Namespace, logs: Path
             for arm in names:
                 out[arm][f"c{c}"] = {k: statistics.median(x[k] for x in runs[arm]) for k in METRICS}
                 if cpu := [x["cpu_ms_per_token"] for x in runs[arm] if "cpu_ms_per_token" in x]:
-                    out[arm][f"c{c}"]["cpu_ms_per_token"] = {
-                        k: statistics.median(x[k] for x in cpu) for k in cpu[0]
-                    }
+                    out[arm][f"c{c}"]["cpu_ms_per_token"] = median_by_role(cpu)
         return out
     finally:
         proc.stop()
@@ -200,8 +198,12 @@ def cpu_table(rounds: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
             for key, v in by_c.items() if isinstance(by_c, dict) else ():
                 if "cpu_ms_per_token" in v:
                     got.setdefault(arm, {}).setdefault(key, []).append(v["cpu_ms_per_token"])
-    return {arm: {key: {k: statistics.median(d[k] for d in ds) for k in ds[0]}
-                        for key, ds in by_c.items()} for arm, by_c in got.items()}  # fmt: skip
+    return {arm: {key: median_by_role(ds) for key, ds in by_c.items()} for arm, by_c in got.items()}
+
+
+def median_by_role(ds: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each role's value over ``ds`` (passes, or rounds)."""
+    return {k: statistics.median(d[k] for d in ds) for k in ds[0]}
 
 
 def summarise(tps: dict, arms: list[str], conc: list[int]) -> dict:

@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,13 +147,7 @@ class Server:
 
     def rss_mib(self) -> dict[str, float]:
         """MiB resident by role (front end, EngineCore, worker), summed over its processes."""
-        out = dict.fromkeys(("front end", "EngineCore", "worker"), 0.0)
-        for p in self.tree():
-            try:
-                out[role(p, self.proc.pid)] += p.memory_info().rss / 2**20
-            except Exception:  # noqa: BLE001,S112 (a process that ended meanwhile holds nothing)
-                continue
-        return out
+        return self._by_role(lambda p: p.memory_info().rss / 2**20)
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) of the server's processes so far."""
@@ -162,12 +156,15 @@ class Server:
     def cpu_by_role(self) -> dict[str, float]:
         """CPU seconds (user + system) so far by role (front end, EngineCore, worker): which
         process a cost lands in, where two cores are shared by all of them."""
+        return self._by_role(lambda p: sum(p.cpu_times()[:2]))
+
+    def _by_role(self, read: Callable[[Any], float]) -> dict[str, float]:
+        """``read(process)`` summed by role over the server's processes."""
         out = dict.fromkeys(("front end", "EngineCore", "worker"), 0.0)
         for p in self.tree():
             try:
-                t = p.cpu_times()
-                out[role(p, self.proc.pid)] += t.user + t.system
-            except Exception:  # noqa: BLE001,S112 (a process that just ended)
+                out[role(p, self.proc.pid)] += read(p)
+            except Exception:  # noqa: BLE001,S112 (a process that ended meanwhile holds nothing)
                 continue
         return out
 
