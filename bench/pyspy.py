@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-#: (category, substrings of a collapsed stack; the first rule that matches counts the sample)
+#: (category, substrings of a collapsed stack; the first rule that matches counts the sample);
+#: the lifeline thread's sleep is native, so its leaf is ``_watch`` itself
 RULES = [
     ("waiting (spin, poll, sleep)", ("sched_yield", "Condition.wait", "select", "Poller.poll",
-                                     "_recv", "Event.wait", ";sleep", "Queue.get")),
+                                     "_recv", "Event.wait", ";sleep", "Queue.get",
+                                     "_watch (steerserve/engine/lifeline.py")),
     ("steering hook + op", ("(steerserve/engine/buffers.py);hook", "steerserve/engine/kernels.py")),
     ("steering seam: index fill", ("prepare_step (steerserve",)),
     ("steering seam: slots", ("sync (steerserve",)),

@@ -11,9 +11,6 @@ from vllm.entrypoints.anthropic.protocol import AnthropicMessagesResponse as _VM
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse as _VChatResponse,
 )
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionStreamResponse as _VChatChunk,
-)
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponse as _VCompletionResponse,
 )
@@ -108,14 +105,6 @@ class ABResponse(BaseModel):
     unsteered: ChatCompletion
     steered: ChatCompletion
     identical: bool
-
-
-class ABChunk(_VChatChunk):
-    """A streamed A/B answer's chunk: a chat chunk of one arm (its id ends in -a or -b, as in
-    :class:`ABResponse`), which it names, since both arms are interleaved as they are generated."""
-
-    arm: Literal["unsteered", "steered"]
-    steering: SteeringInfo | None = None
 
 
 class ArtifactInfo(BaseModel):

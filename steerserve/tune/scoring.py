@@ -150,15 +150,3 @@ def summarise(
             m["diff_per_lang"] = {k: float(np.mean(v) - np.mean(b[k])) for k, v in d.items()}
         out[key] = m
     return out
-
-
-def compact(s: Mapping[str, Any]) -> dict[str, Any]:
-    """The headline numbers of a summary (non-English mean and paired difference)."""
-    out: dict[str, Any] = {}
-    for key in ("correct", "logp", "logp_tok"):
-        m = s[key]
-        out[key] = m.get("non_en")
-        if "diff_non_en" in m:
-            out[f"d_{key}"] = m["diff_non_en"]["diff"]
-            out[f"d_{key}_ci95"] = m["diff_non_en"]["ci95"]
-    return out

@@ -124,6 +124,7 @@ async def _events(
     infos, labels, n = job.infos, job.labels, getattr(job.req, "n", None) or 1
     told: list[set[int]] = [set() for _ in streams]
     first_chunk = [True for _ in streams]
+    steering = [arm.info.model_dump(mode="json") for arm in arms]  # once, not per chunk
     async with Flight(state, job.call, job.request, job.gens) as flight:
         merged = merge(
             [_chained(f, s) for f, s in zip(firsts, streams, strict=True)],
@@ -142,9 +143,7 @@ async def _events(
                     yield ep.sse(err.body())
                     continue
                 # the preset's id when one was asked for, and the answer's steering
-                ep.label_chunk(
-                    body, req.model, arms[a].info.model_dump(mode="json"), first_chunk[a]
-                )
+                ep.label_chunk(body, req.model, steering[a], first_chunk[a])
                 first_chunk[a] = False
                 repeat(body, job.copies)
                 ep.echo_chunk(body, infos[a], n, told[a])
