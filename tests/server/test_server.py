@@ -153,6 +153,8 @@ def test_chat_stream_equals_non_stream(oai: openai.OpenAI, http: httpx.Client) -
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == full["choices"][0]["message"]["content"]
         assert chunks[0].model_extra["steering"]["applied"] is steering
+        assert chunks[-1].model_extra["steering"] == chunks[0].model_extra["steering"]
+        assert {c.model for c in chunks} == {MODEL}
         finish = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert finish[-1] == "length"
         assert chunks[-1].usage.completion_tokens == 10

@@ -22,7 +22,7 @@ from steerserve.server.ab.experiment import DecisionLog, Decisions
 from steerserve.server.backend import Backend
 from steerserve.server.drain import Drain
 from steerserve.server.errors import ApiError
-from steerserve.server.generate import endpoints, pipeline
+from steerserve.server.generate import endpoints, pipeline, streaming
 from steerserve.server.generate.capacity import Seats
 from steerserve.server.generate.flight import Call, ClientGone, Flight, until_disconnect
 from steerserve.server.generate.job import Job
@@ -293,6 +293,52 @@ def test_the_drain_drops_work_in_flight_as_503(ctx: Context) -> None:
     with pytest.raises(ApiError) as e:
         asyncio.run(dropped())
     assert e.value.status == 503 and ctx.drain.count == 1
+
+
+def _chunk(*indices: int, model: str = "llama") -> str:
+    """One of vLLM's completion chunks as it writes them (spaces and all)."""
+    choices = [{"index": i, "text": " a", "logprobs": None, "finish_reason": None} for i in indices]
+    return "data: " + json.dumps({"id": "cmpl-1", "model": model, "choices": choices}) + "\n\n"
+
+
+def _streamed(ctx: Context, body: dict[str, Any], events: list[str]) -> list[str]:
+    """What ``streaming._events`` sends for one arm whose engine stream writes ``events``."""
+    j = prepared(ctx, {"model": "llama", "prompt": FR, "stream": True, **body},
+                 endpoints.COMPLETIONS)  # fmt: skip
+
+    async def rest() -> AsyncGenerator[str, None]:
+        for e in events[1:]:
+            yield e
+
+    async def sent() -> list[str]:
+        return [e async for e in streaming._events(j, [rest()], [events[0]])]
+
+    return asyncio.run(sent())
+
+
+def test_a_plain_stream_sends_later_chunks_as_vllm_wrote_them(ctx: Context) -> None:
+    """One choice of the model asked for: after the first chunk, vLLM's events go out as they
+    are (not parsed and written again: the front end's main cost per token), the first and the
+    usage chunk still carrying the answer's steering; a preset's id, or two choices, and every
+    chunk is written again with its model and each choice's first chunk its steering."""
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    tail = "data: " + json.dumps({"id": "cmpl-1", "model": "llama", "choices": [],
+                                  "usage": usage}) + "\n\n"  # fmt: skip
+    events = [_chunk(0), _chunk(0), _chunk(0), tail, "data: [DONE]\n\n"]
+    out = _streamed(ctx, {"steering": True}, events)
+    assert len(out) == 5 and out[1] is events[1] and out[2] is events[2]
+    first, last = json.loads(out[0][6:]), json.loads(out[3][6:])
+    assert first["steering"]["applied"] and first["choices"][0]["steering"]["applied"]
+    assert last["steering"] == first["steering"] and last["usage"] == usage
+    assert out[-1] == "data: [DONE]\n\n"
+
+    ctx.presets["llama:half"] = Preset("llama:half", parse_steering(True), True, "--preset")
+    out = _streamed(ctx, {"model": "llama:half"}, events)
+    assert [json.loads(e[6:])["model"] for e in out[:4]] == ["llama:half"] * 4
+    events = [_chunk(0), _chunk(1), _chunk(0, 1), "data: [DONE]\n\n"]
+    out = [json.loads(e[6:]) for e in _streamed(ctx, {"n": 2, "temperature": 1.0}, events)[:3]]
+    said = [[("steering" in c) for c in o["choices"]] for o in out]
+    assert said == [[True], [True], [False, False]]
 
 
 def _set() -> asyncio.Event:

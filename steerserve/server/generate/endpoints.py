@@ -27,6 +27,7 @@ class Endpoint:
     ab = False  # two arms, unsteered and steered
     done = "data: [DONE]\n\n"  # a stream's last event
     fields = ("max_tokens", "messages")  # a context-length refusal's: the budget, the prompt
+    plain = True  # its stream's later chunks may go out as vLLM wrote them (streaming._events)
 
     def admit(self, req: Any) -> None:
         """Refusals and defaults of this endpoint, before anything is tokenized."""
@@ -172,6 +173,7 @@ class Completions(Endpoint):
 class Responses(Endpoint):
     """``POST /v1/responses``: the OpenAI Responses API, one answer per request (no ``n``)."""
 
+    plain = False  # its events are written again (sse), and labelled by their type
     name = "responses"
     schema = P.ResponsesRequest
     id_prefix = "resp"
@@ -220,6 +222,7 @@ class Messages(Endpoint):
     """``POST /v1/messages``: the Anthropic Messages API (vLLM's), steered as chat is; one answer
     per request, its ``steering`` at the top (streamed: in ``message_start``'s message)."""
 
+    plain = False  # its events are written again (sse), and labelled by their type
     name = "messages"
     schema = P.MessagesRequest
     id_prefix = "chatcmpl"  # vLLM names a Messages answer by the chat completion it converts

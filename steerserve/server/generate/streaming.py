@@ -125,6 +125,11 @@ async def _events(
     told: list[set[int]] = [set() for _ in streams]
     first_chunk = [True for _ in streams]
     steering = [arm.info.model_dump(mode="json") for arm in arms]  # once, not per chunk
+    # One choice, one copy, no arm label, the model vLLM names the one asked for: after its first
+    # chunk an arm's events need no change but the usage chunk's label (most of a stream's
+    # chunks: parsing and writing each again was the front end's main cost per token).
+    simple = ep.plain and job.copies == 1 and all(len(i) * n == 1 for i in infos)
+    plain = [False for _ in streams]
     async with Flight(state, job.call, job.request, job.gens) as flight:
         merged = merge(
             [_chained(f, s) for f, s in zip(firsts, streams, strict=True)],
@@ -134,6 +139,9 @@ async def _events(
         )
         try:
             async for a, event in merged:
+                if plain[a] and _as_sent(event):
+                    yield event
+                    continue
                 body = event_json(event)
                 if body is None:
                     continue  # each arm's [DONE]: one for the whole answer below
@@ -142,6 +150,9 @@ async def _events(
                     flight.status = err.status
                     yield ep.sse(err.body())
                     continue
+                if first_chunk[a]:  # its one choice here: echoed below, the rest pass
+                    plain[a] = simple and bool(body.get("choices")) and labels[a] is None
+                    plain[a] = plain[a] and body.get("model") == req.model
                 # the preset's id when one was asked for, and the answer's steering
                 ep.label_chunk(body, req.model, steering[a], first_chunk[a])
                 first_chunk[a] = False
@@ -161,6 +172,12 @@ async def _events(
             for plan in plans:
                 for label, (prompt, completion) in plan.tokens.items():
                     flight.count(label, prompt, completion)
+
+
+def _as_sent(event: str) -> bool:
+    """A chunk of a plain stream that goes out as vLLM wrote it: not ``[DONE]`` (one for the
+    whole answer), an error or the usage chunk (which carries the answer's ``steering``)."""
+    return event.startswith("data: {") and '"usage"' not in event and '"error"' not in event
 
 
 async def _chained(first: str | None, events: AsyncIterator[str]) -> AsyncIterator[str]:
