@@ -296,7 +296,8 @@ def test_the_drain_drops_work_in_flight_as_503(ctx: Context) -> None:
 
 
 def _chunk(*indices: int, model: str = "llama") -> str:
-    """One of vLLM's completion chunks as it writes them (spaces and all)."""
+    """A completion chunk in vLLM's shape, written with spaces (our ``sse`` writes none): a chunk
+    written again is a different string."""
     choices = [{"index": i, "text": " a", "logprobs": None, "finish_reason": None} for i in indices]
     return "data: " + json.dumps({"id": "cmpl-1", "model": model, "choices": choices}) + "\n\n"
 

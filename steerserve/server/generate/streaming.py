@@ -151,8 +151,8 @@ async def _events(
                     yield ep.sse(err.body())
                     continue
                 if first_chunk[a]:  # its one choice here: echoed below, the rest pass
-                    plain[a] = simple and bool(body.get("choices")) and labels[a] is None
-                    plain[a] = plain[a] and body.get("model") == req.model
+                    named = body.get("model") == req.model  # else a preset's id goes in each
+                    plain[a] = simple and named and bool(body.get("choices")) and labels[a] is None
                 # the preset's id when one was asked for, and the answer's steering
                 ep.label_chunk(body, req.model, steering[a], first_chunk[a])
                 first_chunk[a] = False

@@ -22,59 +22,29 @@ async def gen():
 async def null_send(msg):
     return None
 
-def scope():
-    return {"type": "http"}
-
-async def run_stock():
-    r = StreamingResponse(gen(), media_type="text/event-stream")
-    await r.stream_response(null_send)
-
-async def run_merge_only():
-    d = Drain()
-    async def body():
-        async for _, ev in S.merge([gen()], d, ended=lambda: None):
-            yield ev
-    r = StreamingResponse(body(), media_type="text/event-stream")
-    await r.stream_response(null_send)
-
-async def run_parse():
-    d = Drain(); ep = Completions(); info = {"steered": False}; told = set(); first = True
-    async def body():
-        nonlocal first
-        async for _, ev in S.merge([gen()], d, ended=lambda: None):
-            b = event_json(ev)
-            ep.label_chunk(b, "bench", info, first); first = False
-            repeat(b, 1); ep.echo_chunk(b, [info], 1, told)
-            yield ep.sse(b)
-    r = StreamingResponse(body(), media_type="text/event-stream")
-    await r.stream_response(null_send)
-
-async def run_full():
-    d = Drain(); ep = Completions(); info = {"steered": False}; told = set(); first = True
-    async def body():
-        nonlocal first
-        async for _, ev in S.merge([gen()], d, ended=lambda: None):
-            b = event_json(ev)
-            ep.label_chunk(b, "bench", info, first); first = False
-            repeat(b, 1); ep.echo_chunk(b, [info], 1, told)
-            yield ep.sse(b)
-    r = S.BoundedStream(body(), 30.0, lambda: None, media_type="text/event-stream")
-    await r.stream_response(null_send)
-
-async def run_plain():
-    d = Drain(); ep = Completions(); info = {"steered": False}; told = set(); first = True
-    async def body():
-        nonlocal first
-        async for _, ev in S.merge([gen()], d, ended=lambda: None):
-            if not first and S._as_sent(ev):
+def run(merged=True, parsed=True, bounded=True, plain=False):
+    """One stream of N chunks into a null send: stock's path with nothing on, then each piece
+    steerserve's ``streaming._events`` adds (the pump and queue, parse-label-rewrite, the bounded
+    write) and the pass-through of a plain stream's later chunks."""
+    async def body():  # fresh state per stream, as each request gets
+        ep, info, told, first = Completions(), {"steered": False}, set(), True
+        async for _, ev in S.merge([gen()], Drain(), ended=lambda: None):
+            if not parsed or (plain and not first and S._as_sent(ev)):
                 yield ev
                 continue
             b = event_json(ev)
             ep.label_chunk(b, "bench", info, first); first = False
             repeat(b, 1); ep.echo_chunk(b, [info], 1, told)
             yield ep.sse(b)
-    r = S.BoundedStream(body(), 30.0, lambda: None, media_type="text/event-stream")
-    await r.stream_response(null_send)
+
+    async def go():
+        content = body() if merged else gen()
+        if bounded:
+            r = S.BoundedStream(content, 30.0, lambda: None, media_type="text/event-stream")
+        else:
+            r = StreamingResponse(content, media_type="text/event-stream")
+        await r.stream_response(null_send)
+    return go
 
 def timed(fn):
     best = 1e9
@@ -82,7 +52,10 @@ def timed(fn):
         t = time.process_time(); asyncio.run(fn()); best = min(best, time.process_time() - t)
     return best / N * 1e6
 
-base = timed(run_stock)
-print(f"stock: {base:.1f} us/chunk")
-for name, fn in [("+ pump/queue merge", run_merge_only), ("+ parse, label, re-dump", run_parse), ("+ bounded write", run_full), ("all, later chunks as sent", run_plain)]:
+CASES = [("stock", run(merged=False, parsed=False, bounded=False)),
+         ("+ pump/queue merge", run(parsed=False, bounded=False)),
+         ("+ parse, label, re-dump", run(bounded=False)),
+         ("+ bounded write", run()),
+         ("all, later chunks as sent", run(plain=True))]
+for name, fn in CASES:
     print(f"{name}: {timed(fn):.1f} us/chunk")
